@@ -1,0 +1,267 @@
+"""Turns a batch of next-token logits into chosen token ids (the per-step hot path).
+
+Order per row: penalties -> min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p
+-> min-p -> sample. Each stage only touches the rows that need it, so the common cases (all greedy,
+or plain temperature sampling) cost one or two passes over the logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from backend.engine.sampling_params import SamplingParams
+
+# Below this temperature logits / T can overflow float32 and the distribution is a point mass on
+# the argmax anyway (vLLM uses the same cutoff), so such rows are decoded greedily.
+_GREEDY_EPS = 1e-5
+_NEG_INF = float("-inf")
+
+
+class SamplingRow(Protocol):
+    params: SamplingParams
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int  # generated ids are token_ids[num_prompt_tokens:]
+    generator: torch.Generator | None  # seeded when params.seed is set, else None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # log_softmax(raw logits)[chosen], or None where params.logprobs is False.
+    logprobs: list[float | None]
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """The per-request generator a SamplingRow should carry for ``params.seed``."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed)
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < _GREEDY_EPS
+
+
+def _needs_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _unique_pairs(chunks: list[tuple[int, list[int]]], vocab: int, counts: bool = False):
+    """Distinct (row, token) pairs over all rows at once, optionally with occurrence counts."""
+    toks = torch.cat([torch.tensor(ids, dtype=torch.long) for _, ids in chunks])
+    rows = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, ids in chunks])
+    ok = (toks >= 0) & (toks < vocab)  # ids outside the logits' vocab cannot be penalised
+    keys = rows[ok] * vocab + toks[ok]
+    if counts:
+        keys, cnt = torch.unique(keys, return_counts=True)
+        return keys // vocab, keys % vocab, cnt
+    keys = torch.unique(keys)
+    return keys // vocab, keys % vocab, None
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF, over prompt+output), then presence/frequency (OpenAI, over output only).
+
+    Works in place on ``logits`` [B, V] and returns it. Only (row, token) pairs that occur are
+    touched, so cost scales with sequence lengths rather than B * V.
+    """
+    vocab = logits.shape[-1]
+    dev, dt = logits.device, logits.dtype
+    rep = [(i, r.token_ids) for i, r in enumerate(rows)
+           if r.params.repetition_penalty != 1.0 and r.token_ids]
+    if rep:
+        r_i, t_i, _ = _unique_pairs(rep, vocab)
+        r_i, t_i = r_i.to(dev), t_i.to(dev)
+        pen = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dt, device=dev)[r_i]
+        vals = logits[r_i, t_i]
+        logits[r_i, t_i] = torch.where(vals > 0, vals / pen, vals * pen)
+    gen = [(i, r.token_ids[r.num_prompt_tokens:]) for i, r in enumerate(rows)
+           if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)
+           and len(r.token_ids) > r.num_prompt_tokens]
+    if gen:
+        r_i, t_i, cnt = _unique_pairs(gen, vocab, counts=True)
+        r_i, t_i, cnt = r_i.to(dev), t_i.to(dev), cnt.to(device=dev, dtype=dt)
+        pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=dt, device=dev)[r_i]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dt, device=dev)[r_i]
+        logits[r_i, t_i] = logits[r_i, t_i] - (pres + freq * cnt)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                     eos_token_ids: set[int] | frozenset[int]) -> torch.Tensor:
+    """Forbid EOS and stop_token_ids while fewer than min_tokens tokens have been generated."""
+    vocab = logits.shape[-1]
+    r_i: list[int] = []
+    t_i: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+            banned = [t for t in set(eos_token_ids).union(p.stop_token_ids) if 0 <= t < vocab]
+            r_i += [i] * len(banned)
+            t_i += banned
+    if r_i:
+        logits[r_i, t_i] = _NEG_INF
+    return logits
+
+
+def _on_active_rows(logits: torch.Tensor, active: torch.Tensor, fn) -> torch.Tensor:
+    """Run ``fn(sub_logits, row_index)`` on the active rows only (no copy when all are active)."""
+    if bool(active.all()):
+        fn(logits, slice(None))
+    elif bool(active.any()):
+        idx = active.nonzero().squeeze(1)
+        sub = logits[idx]
+        fn(sub, idx)
+        logits[idx] = sub
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (ties with the k-th value survive); k <= 0 disables."""
+    vocab = logits.shape[-1]
+    k = k.to(device=logits.device, dtype=torch.long)
+
+    def run(sub: torch.Tensor, idx) -> None:
+        kk = k[idx].clamp(max=vocab)
+        top = sub.topk(int(kk.max()), dim=-1).values  # one topk at the largest k, sorted desc
+        sub.masked_fill_(sub < top.gather(1, (kk - 1).unsqueeze(1)), _NEG_INF)
+
+    return _on_active_rows(logits, (k > 0) & (k < vocab), run)
+
+
+# apply_top_p first tries this many most likely tokens and fully sorts only the rows whose
+# cut-off falls outside them: a [B, V] sort costs ~10x a small topk on CPU.
+_TOP_P_CANDIDATES = 256
+
+
+def _top_p_drop(sub: torch.Tensor, probs: torch.Tensor, pp: torch.Tensor,
+                m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p drop mask judged from the m most likely tokens, and which rows that decides exactly."""
+    vocab = sub.shape[-1]
+    if m >= vocab:
+        vals, order = sub.sort(dim=-1, descending=True, stable=True)
+    else:
+        vals, order = sub.topk(m, dim=-1)
+        # topk leaves tie order unspecified; use (value desc, index asc) like the stable full sort.
+        order, perm = order.sort(dim=-1)
+        vals, perm = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+        order = order.gather(1, perm)
+    cum = probs.gather(1, order).cumsum_(dim=-1)
+    # Keep a token iff the mass ranked before it is < p; the top token is always kept.
+    keep = torch.cat([torch.ones_like(cum[:, :1], dtype=torch.bool), cum[:, :-1] < pp], dim=1)
+    drop = torch.ones_like(sub, dtype=torch.bool).scatter_(1, order, ~keep)
+    if m >= vocab:
+        return drop, torch.ones_like(pp, dtype=torch.bool).squeeze(1)
+    # Exact iff the candidates ranked above the smallest candidate value already reach p: then
+    # every token at or below that value (in or out of the candidates) is dropped either way.
+    above = (vals > vals[:, -1:]).sum(dim=1, keepdim=True)
+    decided = (above > 0) & (cum.gather(1, (above - 1).clamp_(min=0)) >= pp)
+    return drop, decided.squeeze(1)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches p; p == 1 disables.
+
+    A token survives iff the mass of the tokens ranked before it (stable order on ties) is < p.
+    """
+    p = p.to(device=logits.device, dtype=logits.dtype)
+
+    def run(sub: torch.Tensor, idx) -> None:
+        pp = p[idx].unsqueeze(1)
+        probs = sub.softmax(dim=-1)
+        drop, ok = _top_p_drop(sub, probs, pp, _TOP_P_CANDIDATES)
+        if not bool(ok.all()):
+            bad = (~ok).nonzero().squeeze(1)
+            drop[bad] = _top_p_drop(sub[bad], probs[bad], pp[bad], sub.shape[-1])[0]
+        sub.masked_fill_(drop, _NEG_INF)
+
+    return _on_active_rows(logits, p < 1.0, run)
+
+
+def apply_min_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (the row's top probability); 0 disables."""
+    p = p.to(device=logits.device, dtype=logits.dtype)
+
+    def run(sub: torch.Tensor, idx) -> None:
+        probs = sub.softmax(dim=-1)
+        thresh = probs.amax(dim=-1, keepdim=True) * p[idx].unsqueeze(1)
+        sub.masked_fill_(probs < thresh, _NEG_INF)
+
+    return _on_active_rows(logits, p > 0.0, run)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int], seed: int | None = None) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # Unseeded rows draw from here; randomly seeded so restarts do not repeat the same "random"
+        # outputs (torch.Generator() alone always starts from the same fixed seed).
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row. ``logits`` [B, V] float32 is modified in place."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}")
+        params = [r.params for r in rows]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs]
+        raw = logits[lp_rows] if lp_rows else None  # advanced indexing copies before we edit
+
+        if any(_needs_penalties(p) for p in params):
+            apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows, self.eos_token_ids)
+
+        greedy = [_is_greedy(p) for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            g_idx = [i for i, g in enumerate(greedy) if g]
+            r_idx = [i for i, g in enumerate(greedy) if not g]
+            if g_idx:
+                tokens[g_idx] = logits[g_idx].argmax(dim=-1)
+            x = logits[r_idx] if g_idx else logits
+            tokens[r_idx] = self._sample(x, [rows[i] for i in r_idx])
+        out = tokens.tolist()
+
+        logprobs: list[float | None] = [None] * len(rows)
+        if raw is not None:
+            chosen = tokens[lp_rows].unsqueeze(1)
+            for i, v in zip(lp_rows, raw.log_softmax(dim=-1).gather(1, chosen).squeeze(1).tolist()):
+                logprobs[i] = v
+        return SamplerOutput(token_ids=out, logprobs=logprobs)
+
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Temperature, filters, then inverse-CDF sampling with one uniform per row."""
+        params = [r.params for r in rows]
+        dev, dt = x.device, x.dtype
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            x.div_(torch.tensor(temps, dtype=dt, device=dev).unsqueeze(1))
+        if any(p.top_k > 0 for p in params):
+            apply_top_k(x, torch.tensor([p.top_k for p in params], device=dev))
+        if any(p.top_p < 1.0 for p in params):  # the only stage that sorts
+            apply_top_p(x, torch.tensor([p.top_p for p in params], dtype=dt, device=dev))
+        if any(p.min_p > 0.0 for p in params):
+            apply_min_p(x, torch.tensor([p.min_p for p in params], dtype=dt, device=dev))
+
+        # Each row's uniform comes from its own generator, and softmax/cumsum/searchsorted are
+        # row-independent, so a seeded row's draw does not depend on its batch neighbours.
+        u: list[float] = [0.0] * len(rows)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if shared:
+            for j, v in zip(shared, torch.rand(len(shared), generator=self._generator).tolist()):
+                u[j] = v
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                u[j] = torch.rand(1, generator=r.generator, device=r.generator.device).item()
+        cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        # Keep the target strictly below the total so `right=True` lands on a token with p > 0.
+        target = torch.minimum(torch.tensor(u, dtype=dt, device=dev).unsqueeze(1) * total,
+                               torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=x.shape[-1] - 1)

@@ -1,0 +1,101 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+Every step has a token budget (max_num_batched_tokens). Running decodes go first (one token
+each, so a long prompt never stalls them), then running prompts continue in chunks, then
+waiting requests join in arrival order. When KV blocks run out, the youngest running sequence
+is preempted: its blocks are freed and it is recomputed later (its tokens are kept).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from backend.engine.kv_manager import KVCacheManager
+from backend.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Admission keeps a little headroom so running decodes rarely need to preempt.
+        self.watermark = max(1, kv.num_blocks // 100) if kv.num_blocks > 8 else 0
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+                victim = self._youngest_other(seq)
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += scheduled.pop(victim, 0)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = n
+                budget -= n
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_uncomputed, budget)
+                reserve = self.watermark if self.running else 0
+                if not self.kv.allocate(seq, seq.num_computed_tokens + n, reserve=reserve):
+                    break  # FCFS: nobody overtakes the oldest waiting request
+                self.waiting.pop(0)
+                seq.status = Status.RUNNING
+                bisect.insort(self.running, seq, key=lambda s: s.arrival)
+                scheduled[seq] = n
+                budget -= n
+        return SchedulerOutput(list(scheduled.items()), preempted)
+
+    def _youngest_other(self, seq: Sequence) -> Sequence:
+        """The preemption victim: the youngest running sequence younger than seq, else seq."""
+        victim = self.running[-1]
+        return victim if victim.arrival > seq.arrival else seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)

@@ -1,0 +1,81 @@
+"""Self-attention over the paged KV cache, and the per-step metadata that drives it.
+
+A step's tokens are laid out decodes first (one token each), then prefill chunks (contiguous
+runs of one sequence's tokens). All linears run once over the whole flat batch; only the
+attention core splits by kind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from backend.model.config import ModelConfig
+from backend.model.layers import ColumnParallelLinear, RowParallelLinear
+from backend.parallel.context import ParallelContext
+from backend.parallel.partition import HeadPartition
+from kernels import ops
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    length: int  # tokens in the chunk
+    context_len: int  # tokens of the sequence in cache once this chunk is written
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes], including the new token
+    decode_max_context: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        part = HeadPartition.build(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.world_size)
+        d = cfg.head_dim
+        self.head_dim, self.num_q, self.num_kv = d, part.num_q, part.num_kv
+        self.scale = d ** -0.5
+        kv_rows = (part.kv_start * d, part.kv_end * d)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, {"q": (part.q_start * d, part.q_end * d), "k": kv_rows, "v": kv_rows},
+            bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear((part.q_start * d, part.q_end * d), cfg.hidden_size,
+                                        bias=cfg.o_bias, dtype=dtype, ctx=ctx)
+        # Uneven head splits under TP break GQA's equal groups: map each query head explicitly.
+        self.kv_index = None if part.uniform_groups else torch.tensor(part.kv_index_for_q())
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q, k = ops.rotary(q.view(t, self.num_q, d), k.view(t, self.num_kv, d), meta.cos, meta.sin)
+        v = v.view(t, self.num_kv, d)
+        k_cache, v_cache = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        n = meta.num_decodes
+        if not meta.prefills:
+            out = ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                       meta.decode_context_lens, meta.decode_max_context,
+                                       self.scale, self.kv_index)
+        else:
+            out = torch.empty_like(q)
+            if n:
+                out[:n] = ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, meta.decode_max_context,
+                                               self.scale, self.kv_index)
+            for c in meta.prefills:
+                sl = slice(c.start, c.start + c.length)
+                out[sl] = ops.prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache,
+                                                c.block_table, c.context_len, self.scale,
+                                                self.kv_index)
+        return self.o_proj(out.reshape(t, self.num_q * d))

@@ -1,0 +1,106 @@
+"""Tensor-parallel building blocks. With one rank they reduce to plain linears and lookups.
+
+Each parameter carries a ``shards`` map: checkpoint shard id -> (dim, src_start, src_end,
+dst_offset), i.e. which slice of the full checkpoint tensor this rank reads and where it goes.
+The loader reads only those slices, so a rank never materialises another rank's weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.parallel.context import ParallelContext
+from backend.parallel.partition import split_range
+from kernels import ops
+
+ShardMap = dict[str | None, tuple[int, int, int, int]]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, shards: ShardMap) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.shards = shards  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks. `rows` names each merged checkpoint tensor (q/k/v,
+    gate/up) and the [start, end) of its output rows this rank owns; they are stacked in order."""
+
+    def __init__(self, in_features: int, rows: dict[str | None, tuple[int, int]], bias: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        offsets, off = {}, 0
+        for sid, (s, e) in rows.items():
+            offsets[sid] = (0, s, e, off)
+            off += e - s
+        self.out_sizes = [e - s for s, e in rows.values()]
+        self.weight = _param((off, in_features), dtype, offsets)
+        self.bias = _param((off,), dtype, offsets) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial sums are all-reduced (the layer's collective)."""
+
+    def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool,
+                 dtype: torch.dtype, ctx: ParallelContext):
+        super().__init__()
+        s, e = in_range
+        self.ctx = ctx
+        self.weight = _param((out_features, e - s), dtype, {None: (1, s, e, 0)})
+        self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary's rows."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.start, self.end = split_range(vocab_size, ctx.rank, ctx.world_size)
+        self.weight = _param((self.end - self.start, hidden), dtype,
+                             {None: (0, self.start, self.end, 0)})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.ctx.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-sharded logits, gathered to the full vocabulary (float32 for the sampler)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext,
+                 tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.ctx = ctx
+        if tied is not None:
+            self.weight = tied.weight
+        else:
+            s, e = split_range(vocab_size, ctx.rank, ctx.world_size)
+            self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_gather(F.linear(x, self.weight).float(), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((hidden,), dtype, {None: (0, 0, hidden, 0)})
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)

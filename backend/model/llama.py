@@ -1,0 +1,93 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, SmolLM2) over a paged KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.model.attention import Attention, AttentionMetadata
+from backend.model.config import ModelConfig
+from backend.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                  RowParallelLinear, VocabParallelEmbedding)
+from backend.parallel.context import ParallelContext
+from backend.parallel.partition import split_range
+from kernels import ops
+
+# checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
+_MERGED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        rows = split_range(cfg.intermediate_size, ctx.rank, ctx.world_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": rows, "up": rows},
+                                                 bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,
+                                           ctx=ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, ctx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, ctx, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, ctx)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
+        (the last token of each sequence that samples this step), or [0, V] when none."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, meta, kv)
+        if logits_indices is None or logits_indices.numel() == 0:
+            return torch.empty(0, self.cfg.vocab_size)
+        # Norm and project only the rows that sample: prefill rows need no logits.
+        x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        x, _ = self.norm(x, residual)
+        return self.lm_head(x)
+
+
+def map_checkpoint_name(name: str, tied_embeddings: bool) -> tuple[str, str | None] | None:
+    """Our parameter name (and shard id within it) for a checkpoint tensor; None to skip it."""
+    name = name.removeprefix("model.")
+    if "rotary_emb" in name or (name.startswith("lm_head.") and tied_embeddings):
+        return None
+    for src, (dst, shard) in _MERGED.items():
+        if f".{src}." in f".{name}":
+            return name.replace(src, dst), shard
+    return name, None

@@ -1,0 +1,81 @@
+"""Load a Hugging Face checkpoint directory into our model, reading only this rank's slices."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from backend.model.config import ModelConfig
+from backend.model.errors import ModelLoadError
+from backend.model.llama import LlamaForCausalLM, map_checkpoint_name
+from backend.parallel.context import ParallelContext
+
+log = logging.getLogger("backend.model")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: invalid safetensors index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"{f}: listed in {index.name} but missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        hint = " (only .bin weights found; convert them to safetensors)" if any(
+            model_dir.glob("*.bin")) else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights{hint}")
+    return files
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext,
+               dtype: torch.dtype) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(cfg, ctx, dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    needed = {(n, sid) for n, p in params.items() for sid in p.shards
+              if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
+    loaded: set[tuple[str, str | None]] = set()
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    target = map_checkpoint_name(key, cfg.tie_word_embeddings)
+                    if target is None:
+                        continue
+                    pname, sid = target
+                    if pname not in params or sid not in params[pname].shards:
+                        raise ModelLoadError(f"{path}: unexpected tensor {key!r} for a "
+                                             f"{cfg.model_type} model")
+                    _load_slice(params[pname], sid, f.get_slice(key), path, key)
+                    loaded.add((pname, sid))
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
+    missing = needed - loaded
+    if missing:
+        names = ", ".join(sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5])
+        raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {names}")
+    log.info("loaded %s (%d tensors) rank %d/%d", model_dir, len(loaded), ctx.rank, ctx.world_size)
+    return model.eval()
+
+
+def _load_slice(param: torch.nn.Parameter, sid: str | None, sl, path: Path, key: str) -> None:
+    dim, start, end, offset = param.shards[sid]
+    full = sl.get_shape()
+    expect = list(param.shape)
+    expect[dim] = full[dim] if dim < len(full) else -1
+    if len(full) != param.dim() or [f for i, f in enumerate(full) if i != dim] != \
+            [e for i, e in enumerate(expect) if i != dim] or end > full[dim]:
+        raise ModelLoadError(f"{path}: tensor {key!r} has shape {list(full)}, incompatible with "
+                             f"the config (this rank needs rows [{start}, {end}) of dim {dim})")
+    index = tuple([slice(None)] * dim + [slice(start, end)])
+    param.data.narrow(dim, offset, end - start).copy_(sl[index])

@@ -1,0 +1,51 @@
+"""How a layer's output features, heads and vocabulary split across tensor-parallel ranks.
+
+Splits are contiguous and may be uneven (SmolLM2 has 9 query heads, TP 2 gives 5 + 4). With GQA
+each rank keeps exactly the KV heads its query heads read, so a KV head may live on two ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def split_range(total: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's contiguous share of `total` items (the first ranks get the extra)."""
+    base, extra = divmod(total, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class HeadPartition:
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+    group: int  # query heads per KV head in the full model
+
+    @classmethod
+    def build(cls, num_heads: int, num_kv_heads: int, rank: int, world: int) -> "HeadPartition":
+        if world > num_heads:
+            raise ValueError(f"tensor_parallel_size {world} exceeds the model's {num_heads} attention heads")
+        group = num_heads // num_kv_heads
+        q0, q1 = split_range(num_heads, rank, world)
+        return cls(q0, q1, q0 // group, (q1 - 1) // group + 1, group)
+
+    @property
+    def num_q(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_end - self.kv_start
+
+    def kv_index_for_q(self) -> list[int]:
+        """Local KV head read by each local query head."""
+        return [h // self.group - self.kv_start for h in range(self.q_start, self.q_end)]
+
+    @property
+    def uniform_groups(self) -> bool:
+        """True when local query heads map to local KV heads in equal consecutive groups."""
+        idx = self.kv_index_for_q()
+        g = self.num_q // self.num_kv
+        return g * self.num_kv == self.num_q and idx == [i // g for i in range(self.num_q)]

@@ -1,0 +1,47 @@
+"""Tiny random Llama / Qwen2 / Mistral checkpoints made with transformers, saved as safetensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
+                         num_heads: int = 6, num_kv_heads: int = 2, layers: int = 2,
+                         shards: int = 1) -> Path:
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=160,
+                  num_hidden_layers=layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=50000.0)
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=4096)
+        cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32)
+    with torch.no_grad():  # random init is tiny; scale up so logits are well separated
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)
+    max_shard = "100KB" if shards > 1 else "2GB"
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard)
+    return out_dir
+
+
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
