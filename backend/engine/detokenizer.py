@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
         # Window, starting at the prefix offset (older ids are dropped): _ids[:_read_offset] was
         # already emitted and is decoder context only; _ids[_read_offset:] is not emitted yet
         # (e.g. the first bytes of a multi-byte character).
-        self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = list(prompt_token_ids)[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS):]
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._pending = ""  # decoded text held back because it may be the start of a stop string
@@ -106,7 +106,7 @@ class IncrementalDetokenizer:
             delta = text[: start + len(stop)] if self._include_stop else text[:start]
             self.stopped, self.stop_reason, self._pending = True, stop, ""
         else:
-            hold = 0
+            hold = 0 if final else self._stop_prefix_len(text)
             delta, self._pending = text[: len(text) - hold], text[len(text) - hold:]
         if delta:
             self._chunks.append(delta)
