@@ -40,25 +40,17 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < _GREEDY_EPS
-
-
 def _needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _unique_pairs(chunks: list[tuple[int, list[int]]], vocab: int, counts: bool = False):
-    """Distinct (row, token) pairs over all rows at once, optionally with occurrence counts."""
+def _unique_pairs(chunks: list[tuple[int, list[int]]], vocab: int, device: torch.device):
+    """Distinct (row, token) pairs over all rows at once, with occurrence counts."""
     toks = torch.cat([torch.tensor(ids, dtype=torch.long) for _, ids in chunks])
     rows = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, ids in chunks])
     ok = (toks >= 0) & (toks < vocab)  # ids outside the logits' vocab cannot be penalised
-    keys = rows[ok] * vocab + toks[ok]
-    if counts:
-        keys, cnt = torch.unique(keys, return_counts=True)
-        return keys // vocab, keys % vocab, cnt
-    keys = torch.unique(keys)
-    return keys // vocab, keys % vocab, None
+    keys, cnt = torch.unique(rows[ok] * vocab + toks[ok], return_counts=True)
+    return (keys // vocab).to(device), (keys % vocab).to(device), cnt.to(device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -72,8 +64,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     rep = [(i, r.token_ids) for i, r in enumerate(rows)
            if r.params.repetition_penalty != 1.0 and r.token_ids]
     if rep:
-        r_i, t_i, _ = _unique_pairs(rep, vocab)
-        r_i, t_i = r_i.to(dev), t_i.to(dev)
+        r_i, t_i, _ = _unique_pairs(rep, vocab, dev)
         pen = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dt, device=dev)[r_i]
         vals = logits[r_i, t_i]
         logits[r_i, t_i] = torch.where(vals > 0, vals / pen, vals * pen)
@@ -81,11 +72,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
            if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)
            and len(r.token_ids) > r.num_prompt_tokens]
     if gen:
-        r_i, t_i, cnt = _unique_pairs(gen, vocab, counts=True)
-        r_i, t_i, cnt = r_i.to(dev), t_i.to(dev), cnt.to(device=dev, dtype=dt)
+        r_i, t_i, cnt = _unique_pairs(gen, vocab, dev)
         pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=dt, device=dev)[r_i]
         freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dt, device=dev)[r_i]
-        logits[r_i, t_i] = logits[r_i, t_i] - (pres + freq * cnt)
+        logits[r_i, t_i] = logits[r_i, t_i] - (pres + freq * cnt.to(dt))
     return logits
 
 
@@ -215,7 +205,7 @@ class Sampler:
             apply_penalties(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
 
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
@@ -251,14 +241,11 @@ class Sampler:
 
         # Each row's uniform comes from its own generator, and softmax/cumsum/searchsorted are
         # row-independent, so a seeded row's draw does not depend on its batch neighbours.
-        u: list[float] = [0.0] * len(rows)
-        shared = [j for j, r in enumerate(rows) if r.generator is None]
-        if shared:
-            for j, v in zip(shared, torch.rand(len(shared), generator=self._generator).tolist()):
-                u[j] = v
-        for j, r in enumerate(rows):
-            if r.generator is not None:
-                u[j] = torch.rand(1, generator=r.generator, device=r.generator.device).item()
+        n_shared = sum(r.generator is None for r in rows)
+        shared = iter(torch.rand(n_shared, generator=self._generator).tolist())
+        u = [next(shared) if r.generator is None
+             else torch.rand(1, generator=r.generator, device=r.generator.device).item()
+             for r in rows]
         cdf = x.softmax(dim=-1).cumsum_(dim=-1)
         total = cdf[:, -1:]
         # Keep the target strictly below the total so `right=True` lands on a token with p > 0.

@@ -44,7 +44,7 @@ class SamplingParams:
     def validate(self) -> None:
         _int_in("max_tokens", self.max_tokens, 1, None)
         _float_in("temperature", self.temperature, 0.0, None)
-        if not (self.top_k == -1 or (_is_int(self.top_k) and self.top_k >= 0)):
+        if not (_is_int(self.top_k) and self.top_k >= -1):
             raise ValueError(f"top_k: must be an integer >= 0 (0 or -1 disables), got {self.top_k!r}")
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _float_in("min_p", self.min_p, 0.0, 1.0)
@@ -68,7 +68,8 @@ class SamplingParams:
                 raise ValueError("stop: empty strings are not allowed")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop: each string at most {MAX_STOP_STRING_CHARS} characters")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be a list of non-negative integers")
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -1,0 +1,127 @@
+"""The engine on its own thread: other threads add requests, read their deltas, abort them.
+
+Validation and tokenization run in the caller's thread (so a bad request fails at once, in the
+caller); the engine thread only admits, steps and routes outputs.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Protocol
+
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.outputs import RequestOutput
+from backend.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("backend.engine")
+
+
+class OutputSink(Protocol):
+    def put(self, item: RequestOutput) -> None: ...
+
+
+class RequestStream:
+    """Iterates one request's RequestOutputs until the finished one."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, item: RequestOutput) -> None:
+        self._q.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        item = self._q.get(timeout=timeout)
+        self.finished = item.finished
+        return item
+
+    def __iter__(self):
+        while not self.finished:
+            yield self.get()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, OutputSink] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    sink: OutputSink | None = None) -> OutputSink:
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        prepared = self.engine.prepare_request(request_id, prompt, params)
+        sink = sink if sink is not None else RequestStream(request_id)
+        self._commands.put(("add", prepared, sink))
+        self._wake.set()
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still in flight get a final 'abort' output."""
+        self._stopping = True
+        self._commands.put(("stop", None, None))
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def _loop(self) -> None:
+        while True:
+            if not self._drain_commands():
+                break
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails its requests, never the thread
+                log.exception("engine step failed")
+                outputs = self.engine.abort_all("error", f"engine step failed: {e}")
+            self._route(outputs)
+        self._route(self.engine.abort_all("abort", "the engine shut down"))
+
+    def _drain_commands(self) -> bool:
+        while True:
+            try:
+                kind, arg, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "stop":
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg.request_id, arg)
+                    self._sinks[arg.request_id] = sink
+                except ValueError as e:
+                    sink.put(RequestOutput(arg.request_id, "", [], True, "error",
+                                           len(arg.prompt_token_ids), 0, error=str(e)))
+            elif kind == "abort":
+                out = self.engine.abort_request(arg)
+                if out is not None:
+                    self._route([out])
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            try:
+                sink.put(out)
+            except Exception:  # a broken consumer must not stop the engine
+                log.exception("output sink for %s failed", out.request_id)

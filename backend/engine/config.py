@@ -1,0 +1,43 @@
+"""Engine settings: what to load, how big the KV pool and the batches are, how many threads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory; None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # torch intra-op threads per rank; None = torch's default
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's context (and sliding window)
+    seed: int | None = None  # seeds the generator of requests without a seed; None = random
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads: must be an integer >= 1, got {self.num_threads!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks!r}")
+        if self.num_kv_blocks is None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,62 @@
+"""The offline API: LLM(...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+from backend.engine.config import EngineConfig
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.outputs import CompletionOutput
+from backend.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads the model (the embedded SmolLM2-135M-Instruct when `model` is None) and generates."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32",
+                 tensor_parallel_size: int = 1, num_threads: int | None = None, **kwargs):
+        self.config = EngineConfig(model=model, dtype=dtype,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   num_threads=num_threads, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self) -> dict:
+        return self.engine.stats.snapshot()
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Runs all prompts together (continuous batching) and returns results in input order.
+        A single prompt may be a string or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        prepared = [self.engine.prepare_request(str(next(self._ids)), p, sp)
+                    for p, sp in zip(prompts, sampling_params)]
+        results: dict[str, CompletionOutput] = {}
+        start = time.perf_counter()
+        for req in prepared:
+            self.engine.add_request(req.request_id, req)
+            results[req.request_id] = CompletionOutput(req.request_id, "", [], None,
+                                                       len(req.prompt_token_ids))
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res = results[out.request_id]
+                if not res.token_ids and out.token_ids:
+                    res.metrics["ttft_s"] = time.perf_counter() - start
+                res.extend(out)
+                if out.finished:
+                    res.metrics["e2e_s"] = time.perf_counter() - start
+        return [results[r.request_id] for r in prepared]

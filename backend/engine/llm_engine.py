@@ -1,0 +1,208 @@
+"""The synchronous engine core: add requests, step, collect per-step outputs. Not thread-safe;
+AsyncEngine drives it from one thread."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.kv_manager import KVCacheManager
+from backend.engine.model_runner import ModelRunner
+from backend.engine.outputs import RequestOutput
+from backend.engine.sampler import Sampler
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence
+from backend.engine.stats import EngineStats
+from backend.model.config import ModelConfig
+from backend.model.errors import ModelLoadError
+from backend.model.loader import load_model
+from backend.parallel.context import ParallelContext
+
+log = logging.getLogger("backend.engine")
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready to enter the engine thread."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None or model == "":
+        from backend.model.gguf_import import default_model_dir
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: model directory not found")
+    return path
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer ({e})") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None):
+        config.validate()
+        t0 = time.perf_counter()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        limit = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        dtype = config.torch_dtype
+        model = load_model(self.model_dir, cfg, ctx or ParallelContext(), dtype)
+        bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, config.tensor_parallel_size) \
+            * config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self.stats = EngineStats()
+        log.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.2f GiB), "
+                 "max_model_len %d, %d threads", time.perf_counter() - t0, self.model_dir.name,
+                 config.dtype, num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**30,
+                 self.max_model_len, torch.get_num_threads())
+
+    # ---- requests -------------------------------------------------------------------------
+    def prepare_request(self, request_id: str, prompt: str | list[int],
+                        params: SamplingParams | None = None) -> PreparedRequest:
+        """Validate and tokenize; raises ValueError naming the field. Safe off the engine thread."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("text_input: the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("text_input: must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("text_input: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"text_input: token ids must be in [0, {vocab})")
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"text_input: the prompt is {n} tokens; the context holds {limit} "
+                             "(prompt + at least one generated token)")
+        if n + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length {limit}; use max_tokens <= {limit - n}")
+        if self.kv.blocks_for(n + params.max_tokens) > self.kv.num_blocks:
+            raise ValueError(f"max_tokens: prompt + max_tokens ({n + params.max_tokens} tokens) "
+                             f"exceeds the KV cache ({self.kv.num_blocks * self.kv.block_size} tokens)")
+        return PreparedRequest(request_id, ids, params)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
+                    params: SamplingParams | None = None) -> None:
+        req = prompt if isinstance(prompt, PreparedRequest) else \
+            self.prepare_request(request_id, prompt, params)
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in flight")
+        p = req.params
+        seq = Sequence(
+            request_id=req.request_id, token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=self._arrivals,
+            generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                p.skip_special_tokens))
+        self._arrivals += 1
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return self._output(seq, "", [])
+
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.requests):
+            out = self.abort_request(rid)
+            out.finish_reason, out.error = reason, error
+            outs.append(out)
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched.scheduled)
+        t1 = time.perf_counter()
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        outputs = []
+        if result.sampling:
+            sampled = self.sampler(result.logits, result.sampling)
+            for seq, tok, lp in zip(result.sampling, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._append_token(seq, tok, lp))
+        t2 = time.perf_counter()
+        self.stats.record_step(sched.num_tokens, len(result.sampling), t1 - t0, t2 - t1,
+                               len(sched.preempted))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
+        p = seq.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        update = seq.detokenizer.add_tokens([token])
+        delta = update.delta
+        if update.stopped:
+            seq.finish_reason, seq.stop_reason = "stop", update.stop_reason
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if not update.stopped:
+                delta += seq.detokenizer.flush()
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+            self.stats.record_finish(seq)
+        return self._output(seq, delta, [token])
+
+    def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, text=text, token_ids=token_ids,
+            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+            num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs else None,
+            stop_reason=seq.stop_reason)

@@ -1,0 +1,42 @@
+"""What the engine hands back: per-step deltas for streaming, whole results for offline use."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One streaming update of one request: the text and tokens new since the previous update."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    num_input_tokens: int
+    num_output_tokens: int
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as the offline LLM.generate returns it."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int = 0
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
+
+    def extend(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.num_output_tokens = out.num_output_tokens
+        self.cumulative_logprob = out.cumulative_logprob
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run on a 2-core shared machine; spinning OpenMP threads starve each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from backend.model.gguf_import import default_model_dir
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm(default_model_dir):
+    """One engine on the real default model, shared by the tests that only generate."""
+    from backend import LLM
+    return LLM(model=str(default_model_dir), num_threads=2, kv_cache_memory_gb=0.25)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
