@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.sequence import Sequence
-from backend.model.attention import AttentionMetadata, PrefillChunk
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
+from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 
 @dataclass
@@ -62,12 +62,12 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, cos=cos, sin=sin, prefills=chunks)
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
-            meta.num_decodes = len(decodes)
-            meta.decode_block_tables = torch.tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes])
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            meta.decode_context_lens = torch.tensor(lens)
-            meta.decode_max_context = max(lens)
+            meta.decode = DecodeBatch(
+                block_tables=torch.tensor(
+                    [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]),
+                context_lens=torch.tensor(lens), max_context=max(lens),
+                block_size=self.block_size)
         return torch.tensor(ids), meta, torch.tensor(logits_idx, dtype=torch.long), sampling
 
     def _slots(self, ordered: list[tuple[Sequence, int]]) -> torch.Tensor:

@@ -6,8 +6,6 @@ attention core splits by kind.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -16,26 +14,7 @@ from backend.model.layers import ColumnParallelLinear, RowParallelLinear
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import HeadPartition
 from kernels import ops
-
-
-@dataclass
-class PrefillChunk:
-    start: int  # first row of this chunk in the flat batch
-    length: int  # tokens in the chunk
-    context_len: int  # tokens of the sequence in cache once this chunk is written
-    block_table: torch.Tensor  # [num_blocks] int64
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    cos: torch.Tensor  # [T, head_dim]
-    sin: torch.Tensor
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes], including the new token
-    decode_max_context: int = 0
-    prefills: list[PrefillChunk] = field(default_factory=list)
+from kernels.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -56,26 +35,24 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q, k = ops.rotary(q.view(t, self.num_q, d), k.view(t, self.num_kv, d), meta.cos, meta.sin)
-        v = v.view(t, self.num_kv, d)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the qkv output: rotate them in one call
+        qk = ops.rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), meta.cos, meta.sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         k_cache, v_cache = kv_cache
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         n = meta.num_decodes
         if not meta.prefills:
-            out = ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                       meta.decode_context_lens, meta.decode_max_context,
-                                       self.scale, self.kv_index)
+            out = ops.decode_attention(q, k_cache, v_cache, meta.decode, self.scale, self.kv_index)
         else:
             out = torch.empty_like(q)
             if n:
-                out[:n] = ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, meta.decode_max_context,
-                                               self.scale, self.kv_index)
+                out[:n] = ops.decode_attention(q[:n], k_cache, v_cache, meta.decode, self.scale,
+                                               self.kv_index)
             for c in meta.prefills:
                 sl = slice(c.start, c.start + c.length)
-                out[sl] = ops.prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache,
-                                                c.block_table, c.context_len, self.scale,
-                                                self.kv_index)
-        return self.o_proj(out.reshape(t, self.num_q * d))
+                out[sl] = ops.prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, c,
+                                                self.scale, self.kv_index)
+        return self.o_proj(out.reshape(t, hq * d))

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.model.attention import Attention, AttentionMetadata
+from backend.model.attention import Attention
+from kernels.metadata import AttentionMetadata
 from backend.model.config import ModelConfig
 from backend.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RowParallelLinear, VocabParallelEmbedding)

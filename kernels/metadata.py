@@ -1,0 +1,69 @@
+"""Per-step attention inputs, shared by every layer of one forward pass.
+
+The engine fills the primary fields (block tables, lengths); derived tensors that a given
+kernel path needs (gather indices, masks) are built lazily once per step, not once per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class DecodeBatch:
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [B], including the token being decoded
+    max_context: int
+    block_size: int
+
+    @property
+    def size(self) -> int:
+        return self.block_tables.shape[0]
+
+    @cached_property
+    def num_blocks(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+    @cached_property
+    def gather_index(self) -> torch.Tensor:
+        """Flat block ids covering max_context for every sequence: [B * num_blocks]."""
+        return self.block_tables[:, :self.num_blocks].reshape(-1)
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, 1, L] key validity; None when one sequence is sliced to its exact length."""
+        if self.size == 1:
+            return None
+        pos = torch.arange(self.num_blocks * self.block_size)
+        return (pos[None, :] < self.context_lens[:, None]).view(self.size, 1, 1, -1)
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    length: int  # tokens in the chunk
+    context_len: int  # tokens of the sequence in cache once this chunk is written
+    block_table: torch.Tensor  # [num_blocks] int64
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """Causal mask over the cached prefix + chunk; None when there is no prefix."""
+        if self.context_len == self.length:
+            return None
+        qpos = torch.arange(self.context_len - self.length, self.context_len)
+        return torch.arange(self.context_len)[None, :] <= qpos[:, None]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor
+    decode: DecodeBatch | None = None  # the first decode.size rows of the batch
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode is None else self.decode.size
