@@ -26,3 +26,11 @@ def hf_smollm(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory, default_model_dir):
+    """A tiny random Qwen2 (qkv bias, GQA) with the default model's tokenizer: fast engine tests."""
+    from tests.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny_qwen2"),
+                                tokenizer_dir=default_model_dir)

@@ -10,8 +10,15 @@ ARCHS = ("llama", "qwen2", "mistral")
 
 def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
                          num_heads: int = 6, num_kv_heads: int = 2, layers: int = 2,
-                         shards: int = 1) -> Path:
+                         shards: int = 1, tokenizer_dir: Path | None = None) -> Path:
+    """A random checkpoint; with `tokenizer_dir`, its tokenizer files are copied in and the
+    vocabulary sized to match, so the engine can take text."""
+    import shutil
+
     import transformers as tf
+
+    if tokenizer_dir is not None:
+        vocab_size = tf.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
 
     common = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=160,
                   num_hidden_layers=layers, num_attention_heads=num_heads,
@@ -38,6 +45,10 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
                 p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)
     max_shard = "100KB" if shards > 1 else "2GB"
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard)
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, out_dir / f.name)
     return out_dir
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.config import EngineConfig
-from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput
@@ -25,6 +25,7 @@ from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
 
 log = logging.getLogger("backend.engine")
+_NO_TEXT = DetokenizerUpdate("", False, None)
 
 
 @dataclass
@@ -45,8 +46,16 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, or None when it ships none (then prompts are token ids)."""
     from transformers import AutoTokenizer
+    if not any((model_dir / f).exists() for f in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer: prompts must be token ids, outputs carry no text",
+                    model_dir)
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
@@ -74,8 +83,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
@@ -94,6 +103,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("text_input: the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text_input: this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -115,6 +126,8 @@ class LLMEngine:
         if self.kv.blocks_for(n + params.max_tokens) > self.kv.num_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens ({n + params.max_tokens} tokens) "
                              f"exceeds the KV cache ({self.kv.num_blocks * self.kv.block_size} tokens)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
         return PreparedRequest(request_id, ids, params)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
@@ -130,7 +143,7 @@ class LLMEngine:
             generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                p.skip_special_tokens))
+                p.skip_special_tokens) if self.tokenizer is not None else None)
         self._arrivals += 1
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -155,6 +168,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -181,7 +195,7 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        update = seq.detokenizer.add_tokens([token])
+        update = seq.detokenizer.add_tokens([token]) if seq.detokenizer else _NO_TEXT
         delta = update.delta
         if update.stopped:
             seq.finish_reason, seq.stop_reason = "stop", update.stop_reason
@@ -192,7 +206,7 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            if not update.stopped:
+            if not update.stopped and seq.detokenizer:
                 delta += seq.detokenizer.flush()
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]

@@ -1,0 +1,141 @@
+"""The engine's request-level behaviour: streaming, abort, seeds, stops, limits, validation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from backend import LLM, AsyncEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_text_model):
+    return LLM(model=str(tiny_text_model), num_kv_blocks=256, block_size=8)
+
+
+def test_offline_api_shape(llm):
+    outs = llm.generate(["Hello there", "Bonjour"], SamplingParams(temperature=0, max_tokens=5,
+                                                                   ignore_eos=True))
+    assert len(outs) == 2
+    for o in outs:
+        assert o.finish_reason == "length" and len(o.token_ids) == 5
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    assert outs[0].num_input_tokens == len(llm.tokenizer.encode("Hello there"))
+
+
+def test_same_seed_same_text_regardless_of_batch(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate("A story:", sp)[0].token_ids
+    others = SamplingParams(temperature=1.2, max_tokens=7, ignore_eos=True)
+    batch = llm.generate(["Other", "A story:", "More"], [others, sp, others])
+    assert batch[1].token_ids == alone
+    different = llm.generate("A story:", SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12,
+                                                        seed=99, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_stop_string_never_leaks(llm):
+    free = llm.generate("Count:", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    out = llm.generate("Count:", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and free.text.startswith(out.text)
+    assert out.text == free.text[:free.text.index(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    free = llm.generate("Go", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    tok = free.token_ids[2]
+    out = llm.generate("Go", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                            stop_token_ids=[tok]))[0]
+    first = free.token_ids.index(tok)
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    forced = llm.generate("Go", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                               stop_token_ids=[tok], min_tokens=first + 2))[0]
+    assert len(forced.token_ids) >= first + 2
+
+
+def test_logprobs_accumulate(llm):
+    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4, logprobs=True,
+                                            ignore_eos=True))[0]
+    assert out.cumulative_logprob is not None and out.cumulative_logprob <= 0.0
+    assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].cumulative_logprob is None
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=5.0), "presence_penalty"), (dict(seed=-1), "seed"),
+    (dict(seed=2**64), "seed"), (dict(stop=[""]), "stop"), (dict(stop=["x"] * 1000), "stop"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_invalid_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**bad)
+
+
+def test_invalid_prompts_name_the_field(llm):
+    with pytest.raises(ValueError, match="^text_input:"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(ValueError, match="^text_input:"):
+        llm.generate([10**9], SamplingParams())
+    long_prompt = " ".join(["word"] * 2000)
+    with pytest.raises(ValueError, match="^(text_input|max_tokens):"):
+        llm.generate(long_prompt, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="^max_tokens:.*context"):
+        llm.generate("hi", SamplingParams(max_tokens=5000))
+
+
+def test_async_streaming_deltas_reassemble(llm):
+    engine = AsyncEngine(llm.engine)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        expected = llm.generate("Stream me", sp)[0]
+        streams = [engine.add_request(f"s{i}", "Stream me", sp) for i in range(4)]
+        for s in streams:
+            outs = list(s)
+            assert "".join(o.text for o in outs) == expected.text
+            assert [t for o in outs for t in o.token_ids] == expected.token_ids
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            assert all(not o.finished for o in outs[:-1])
+    finally:
+        engine.shutdown()
+
+
+def test_async_abort_frees_blocks_and_others_continue(llm):
+    engine = AsyncEngine(llm.engine)
+    try:
+        free_before = llm.engine.kv.num_free_blocks
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        victim = engine.add_request("victim", "Go on forever", long)
+        keeper = engine.add_request("keeper", "Short one", SamplingParams(max_tokens=8,
+                                                                          ignore_eos=True))
+        first = victim.get(timeout=30)
+        assert not first.finished
+        engine.abort("victim")
+        rest = list(victim)
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        kept = list(keeper)
+        assert kept[-1].finish_reason == "length" and sum(len(o.token_ids) for o in kept) == 8
+        assert llm.engine.kv.num_free_blocks == free_before
+    finally:
+        engine.shutdown()
+
+
+def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
+    engine = AsyncEngine(llm.engine)
+    with pytest.raises(ValueError, match="^text_input:"):
+        engine.add_request("bad", "", SamplingParams())
+    stream = engine.add_request("long", "Keep going", SamplingParams(max_tokens=500,
+                                                                     ignore_eos=True))
+    stream.get(timeout=30)
+    done = threading.Event()
+    threading.Thread(target=lambda: (list(stream), done.set()), daemon=True).start()
+    engine.shutdown()
+    assert done.wait(10)
+    assert stream.finished
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
