@@ -2,6 +2,7 @@
 the real default model."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from backend import LLM, SamplingParams
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sequence import Sequence
+from backend.engine.step_inputs import build_step_inputs
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
 from backend.model.loader import load_model
@@ -27,8 +29,9 @@ def _our_logits(model_dir, token_ids: list[int], chunks: list[int]) -> torch.Ten
     out = []
     for n in chunks:
         assert kv.allocate(seq, seq.num_computed_tokens + n)
-        ids, meta, _, _ = runner.prepare([(seq, n)])
-        out.append(model(ids, meta, runner.kv_caches, torch.arange(n)))
+        inputs, _ = build_step_inputs([(seq, n)], block_size=4)
+        inputs.logits_indices = np.arange(n)
+        out.append(runner.forward(inputs))
         seq.num_computed_tokens += n
     return torch.cat(out)
 

@@ -13,7 +13,8 @@ class EngineConfig:
     model: str | None = None  # HF directory; None = the embedded SmolLM2-135M-Instruct
     dtype: str = "float32"
     tensor_parallel_size: int = 1
-    num_threads: int | None = None  # torch intra-op threads per rank; None = torch's default
+    num_threads: int | None = None  # torch intra-op threads per rank; None = cores / TP degree
+    pin_cpus: bool = False  # pin rank r to core r (TP comparisons on a quiet machine)
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0

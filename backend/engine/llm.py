@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence as Seq
 
 from backend.engine.config import EngineConfig
@@ -46,17 +45,21 @@ class LLM:
         prepared = [self.engine.prepare_request(str(next(self._ids)), p, sp)
                     for p, sp in zip(prompts, sampling_params)]
         results: dict[str, CompletionOutput] = {}
-        start = time.perf_counter()
         for req in prepared:
             self.engine.add_request(req.request_id, req)
             results[req.request_id] = CompletionOutput(req.request_id, "", [], None,
                                                        len(req.prompt_token_ids))
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                res = results[out.request_id]
-                if not res.token_ids and out.token_ids:
-                    res.metrics["ttft_s"] = time.perf_counter() - start
-                res.extend(out)
-                if out.finished:
-                    res.metrics["e2e_s"] = time.perf_counter() - start
+                results[out.request_id].extend(out)
         return [results[r.request_id] for r in prepared]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

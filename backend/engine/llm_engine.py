@@ -3,7 +3,9 @@ AsyncEngine drives it from one thread."""
 from __future__ import annotations
 
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +20,13 @@ from backend.engine.sampler import Sampler
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
+from backend.engine.step_inputs import build_step_inputs
 from backend.engine.stats import EngineStats
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
+from backend.parallel.partition import split_range
 
 log = logging.getLogger("backend.engine")
 _NO_TEXT = DetokenizerUpdate("", False, None)
@@ -63,24 +67,37 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None):
+    def __init__(self, config: EngineConfig):
         config.validate()
         t0 = time.perf_counter()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        tp = config.tensor_parallel_size
+        # Under TP the ranks share the cores: by default each gets its share, not all of them.
+        threads = config.num_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
+        if threads:
+            torch.set_num_threads(threads)
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         limit = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
         self.max_model_len = min(config.max_model_len or limit, limit)
         dtype = config.torch_dtype
-        model = load_model(self.model_dir, cfg, ctx or ParallelContext(), dtype)
-        bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, config.tensor_parallel_size) \
-            * config.block_size
+        bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, tp) * config.block_size
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, dtype)
+        self.group = None
+        ctx = ParallelContext()
+        try:
+            if tp > 1:
+                ctx = self._launch_group(cfg, num_blocks, threads)
+            model = load_model(self.model_dir, cfg, ctx, dtype)
+            self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
+                                      dtype)
+            if self.group is not None:
+                self.group.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -89,10 +106,33 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.stats = EngineStats()
-        log.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens (%.2f GiB), "
-                 "max_model_len %d, %d threads", time.perf_counter() - t0, self.model_dir.name,
-                 config.dtype, num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**30,
-                 self.max_model_len, torch.get_num_threads())
+        log.info("engine ready in %.1fs: %s, %s, TP %d, %d KV blocks x %d tokens (%.2f GiB per "
+                 "rank), max_model_len %d, %d threads per rank", time.perf_counter() - t0,
+                 self.model_dir.name, config.dtype, tp, num_blocks, config.block_size,
+                 self.runner.kv_cache_bytes / 2**30, self.max_model_len, torch.get_num_threads())
+
+    def _launch_group(self, cfg: ModelConfig, num_blocks: int,
+                      threads: int | None) -> ParallelContext:
+        from backend.parallel.group import TPGroup, WorkerSpec
+        c, tp = self.config, self.config.tensor_parallel_size
+        vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))
+        slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,
+                                                  c.max_num_seqs * vocab_shard)
+        self.group = TPGroup(tp, slot_bytes, c.torch_dtype)
+        weakref.finalize(self, self.group.close)
+        self.group.launch(WorkerSpec(
+            rank=0, world=tp, store_port=0, shm_name="", slot_bytes=slot_bytes,
+            model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
+            block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
+            cpu=0 if c.pin_cpus else None))
+        if c.pin_cpus:
+            os.sched_setaffinity(0, {0})
+        return self.group.ctx
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (if any). The engine is unusable afterwards."""
+        if self.group is not None:
+            self.group.close()
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(self, request_id: str, prompt: str | list[int],
@@ -174,19 +214,29 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        result = self.runner.execute(sched.scheduled)
+        inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size)
+        comm0 = self._collective_seconds()
+        if self.group is not None:
+            self.group.broadcast(inputs)
+        logits = self.runner.forward(inputs)
         t1 = time.perf_counter()
+        comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            seq.model_seconds += t1 - t0
+            seq.collective_seconds += comm_s
         outputs = []
-        if result.sampling:
-            sampled = self.sampler(result.logits, result.sampling)
-            for seq, tok, lp in zip(result.sampling, sampled.token_ids, sampled.logprobs):
+        if sampling:
+            sampled = self.sampler(logits, sampling)
+            for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp))
         t2 = time.perf_counter()
-        self.stats.record_step(sched.num_tokens, len(result.sampling), t1 - t0, t2 - t1,
-                               len(sched.preempted))
+        self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
+                               len(sched.preempted), comm_s)
         return outputs
+
+    def _collective_seconds(self) -> float:
+        return self.group.comm.seconds if self.group is not None else 0.0
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
         p = seq.params
@@ -219,4 +269,12 @@ class LLMEngine:
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs else None,
-            stop_reason=seq.stop_reason)
+            stop_reason=seq.stop_reason,
+            metrics=_metrics(seq) if seq.finish_reason is not None else None)
+
+
+def _metrics(seq: Sequence) -> dict:
+    now = time.perf_counter()
+    return {"ttft_s": None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            "e2e_s": now - seq.arrival_time, "model_s": seq.model_seconds,
+            "collective_s": seq.collective_seconds, "preemptions": seq.num_preemptions}

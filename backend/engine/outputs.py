@@ -17,6 +17,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
 
 
 @dataclass
@@ -40,3 +41,4 @@ class CompletionOutput:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+            self.metrics.update(out.metrics or {})

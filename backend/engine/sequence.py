@@ -32,6 +32,8 @@ class Sequence:
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    model_seconds: float = 0.0  # wall time of the steps this sequence was part of
+    collective_seconds: float = 0.0  # ... of which inside tensor-parallel collectives
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

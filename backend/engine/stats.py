@@ -14,17 +14,19 @@ class EngineStats:
     finished_requests: int = 0
     model_seconds: float = 0.0  # scheduling + input prep + forward
     sample_seconds: float = 0.0  # sampling + detokenization + stop checks
+    collective_seconds: float = 0.0  # part of model_seconds spent in TP collectives (rank 0)
     ttft_seconds: list[float] = field(default_factory=list, repr=False)
     e2e_seconds: list[float] = field(default_factory=list, repr=False)
 
     def record_step(self, tokens: int, sampled: int, model_s: float, sample_s: float,
-                    preempted: int) -> None:
+                    preempted: int, collective_s: float = 0.0) -> None:
         self.steps += 1
         self.scheduled_tokens += tokens
         self.sampled_tokens += sampled
         self.model_seconds += model_s
         self.sample_seconds += sample_s
         self.preemptions += preempted
+        self.collective_seconds += collective_s
 
     def record_finish(self, seq) -> None:
         now = time.perf_counter()

@@ -6,6 +6,8 @@ attention core splits by kind.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -13,13 +15,15 @@ from backend.model.config import ModelConfig
 from backend.model.layers import ColumnParallelLinear, RowParallelLinear
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import HeadPartition
-from kernels import ops
+from kernels import reference
 from kernels.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: ModuleType = reference):
         super().__init__()
+        self.ops = ops  # the kernel namespace, chosen once per model (kernels.select_ops)
         part = HeadPartition.build(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.world_size)
         d = cfg.head_dim
         self.head_dim, self.num_q, self.num_kv = d, part.num_q, part.num_kv
@@ -35,9 +39,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
+        t, d, hq, hkv, ops = x.shape[0], self.head_dim, self.num_q, self.num_kv, self.ops
         qkv = self.qkv_proj(x)
-        # q and k are adjacent in the qkv output: rotate them in one call
+        # q and k are adjacent in the qkv output: rotate them in one call (Triton: in place)
         qk = ops.rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), meta.cos, meta.sin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)

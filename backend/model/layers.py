@@ -6,13 +6,15 @@ The loader reads only those slices, so a rank never materialises another rank's 
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
-from kernels import ops
+from kernels import reference
 
 ShardMap = dict[str | None, tuple[int, int, int, int]]
 
@@ -78,29 +80,34 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Vocab-sharded logits, gathered to the full vocabulary (float32 for the sampler)."""
+    """Vocab-sharded logits, gathered to the full vocabulary on rank 0 (float32 for the sampler);
+    other ranks return None."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext,
                  tied: VocabParallelEmbedding | None = None):
         super().__init__()
         self.ctx = ctx
+        self.shard_sizes = [e - s for s, e in (split_range(vocab_size, r, ctx.world_size)
+                                               for r in range(ctx.world_size))]
         if tied is not None:
             self.weight = tied.weight
         else:
             s, e = split_range(vocab_size, ctx.rank, ctx.world_size)
             self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_gather(F.linear(x, self.weight).float(), dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = self.ctx.gather_first(F.linear(x, self.weight), self.shard_sizes)
+        return None if logits is None else logits.float()
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: ModuleType = reference):
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = _param((hidden,), dtype, {None: (0, 0, hidden, 0)})
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

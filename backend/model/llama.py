@@ -1,6 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, SmolLM2) over a paged KV cache."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from backend.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
-from kernels import ops
+from kernels import reference, select_ops
 
 # checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
 _MERGED = {
@@ -24,8 +26,10 @@ _MERGED = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: ModuleType = reference):
         super().__init__()
+        self.ops = ops
         rows = split_range(cfg.intermediate_size, ctx.rank, ctx.world_size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": rows, "up": rows},
                                                  bias=cfg.mlp_bias, dtype=dtype)
@@ -33,16 +37,17 @@ class MLP(nn.Module):
                                            ctx=ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: ModuleType = reference):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, ctx, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, ctx, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(cfg, ctx, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(cfg, ctx, dtype, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,21 +61,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 ops: ModuleType | None = None):
         super().__init__()
         self.cfg = cfg
+        # The one place the model picks its kernels: by the device its parameters are created
+        # on (torch's default device) unless given; TPLLM_KERNELS overrides (kernels/__init__).
+        self.ops = ops = ops if ops is not None else select_ops(torch.get_default_device())
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, ops)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None) -> torch.Tensor | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
-        (the last token of each sequence that samples this step), or [0, V] when none."""
+        (the last token of each sequence that samples this step), or [0, V] when none.
+        Under tensor parallelism only rank 0 gets logits; the others get None."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):

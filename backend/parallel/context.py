@@ -1,7 +1,8 @@
 """This rank's place in its tensor-parallel group and the collectives the model calls.
 
-The model only ever calls ``all_reduce`` (after attention and after the MLP) and
-``all_gather`` (vocab-sharded logits); with one rank both are free.
+The model only ever calls ``all_reduce`` (after attention and after the MLP, and once for the
+vocab-parallel embedding) and ``gather_first`` (vocab-sharded logits to rank 0); with one rank
+both are free.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -27,10 +28,12 @@ class ParallelContext:
             return x
         return self.comm.all_reduce(x)
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Concatenate every rank's [rows, sizes[rank]] along the last dim, on rank 0 only
+        (only rank 0 samples, so the others never need the full vocabulary)."""
         if self.world_size == 1:
             return x
-        return self.comm.all_gather(x, dim)
+        return self.comm.gather_first(x, sizes)
 
 
 SINGLE = ParallelContext()

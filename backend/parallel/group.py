@@ -1,0 +1,145 @@
+"""A tensor-parallel group on one host: rank 0 lives in this process, ranks 1..N-1 are worker
+processes it starts and owns.
+
+Start-up: rank 0 opens a TCP store on a free loopback port and the shared-memory segment, then
+spawns the workers (same Python, `spawn` start method). Every rank forms a gloo process group
+through the store (the fallback for messages too large for shared memory), loads only its own
+weight shards and allocates its own KV cache. Each step, rank 0 sends the step's inputs to every
+worker as one pickled message over a pipe; all ranks then run the same forward pass, meeting in
+the collectives. Workers exit when rank 0 says so, when their pipe closes (rank 0 died), or when
+a collective notices rank 0 is gone; close() kills any straggler, so none outlives the engine.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from backend.parallel.context import ParallelContext
+from backend.parallel.shm_comm import PeerLostError, ShmCommunicator
+
+log = logging.getLogger("backend.parallel")
+_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build its rank (picklable)."""
+    rank: int
+    world: int
+    store_port: int
+    shm_name: str
+    slot_bytes: int
+    model_dir: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    num_threads: int | None
+    cpu: int | None  # core to pin to, or None
+
+
+def python_executable() -> str:
+    """The interpreter for workers. Inside Triton's Python-backend stub sys.executable is the stub
+    itself, so prefer $TPLLM_PYTHON, then a real python, then the environment's bin/python3."""
+    exe = os.environ.get("TPLLM_PYTHON") or sys.executable
+    if exe and Path(exe).name.startswith("python") and Path(exe).exists():
+        return exe
+    fallback = Path(sys.prefix) / "bin" / "python3"
+    return str(fallback if fallback.exists() else exe)
+
+
+class TPGroup:
+    def __init__(self, world: int, slot_bytes: int, dtype: torch.dtype):
+        self.world = world
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns = []
+        self._store = None
+        self.comm = ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, world,
+                                    slot_bytes, dtype, create=True,
+                                    peers_alive=self.workers_alive)
+        self.ctx = ParallelContext(0, world, self.comm)
+        self.closed = False
+
+    def launch(self, spec0: WorkerSpec) -> None:
+        """Spawn ranks 1..N-1 and form the process group (they load their shards meanwhile)."""
+        store = dist.TCPStore("127.0.0.1", 0, self.world, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
+        self._store = store
+        ctx = mp.get_context("spawn")
+        ctx.set_executable(python_executable())
+        from backend.parallel.worker import worker_main
+        for rank in range(1, self.world):
+            parent, child = ctx.Pipe()
+            spec = WorkerSpec(**{**spec0.__dict__, "rank": rank, "store_port": store.port,
+                                 "shm_name": self.comm.name,
+                                 "cpu": None if spec0.cpu is None else rank % os.cpu_count()})
+            proc = ctx.Process(target=worker_main, args=(spec, child, os.getpid()),
+                               name=f"tpllm-rank{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self.comm._fallback = dist.ProcessGroupGloo(
+            store, 0, self.world, datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
+        log.info("tensor-parallel group of %d formed (workers %s)", self.world, self.worker_pids)
+
+    def wait_ready(self, timeout: float = _STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(self._conns, start=1):
+            while not conn.poll(0.1):
+                if not self._procs[rank - 1].is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
+                                       f"(exit code {self._procs[rank - 1].exitcode})")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel rank {rank} not ready in {timeout:.0f}s")
+            status, detail = conn.recv()
+            if status != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def workers_alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def broadcast(self, step) -> None:
+        """Send one step to every worker: one pickled message each."""
+        payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise PeerLostError(f"a tensor-parallel worker is gone ({e})") from None
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for conn in self._conns:
+            conn.close()
+        self.comm.close(unlink=True)
+        self._store = None
+        log.info("tensor-parallel workers stopped")

@@ -1,0 +1,69 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load this rank's shards, then run every step
+rank 0 sends until told to stop or rank 0 disappears."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from backend.engine.config import DTYPES
+from backend.engine.model_runner import ModelRunner
+from backend.model.config import ModelConfig
+from backend.model.loader import load_model
+from backend.parallel.context import ParallelContext
+from backend.parallel.group import WorkerSpec
+from backend.parallel.shm_comm import PeerLostError, ShmCommunicator
+
+log = logging.getLogger("backend.parallel")
+
+
+def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
+    if spec.cpu is not None:
+        os.sched_setaffinity(0, {spec.cpu})
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    dtype = DTYPES[spec.dtype]
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timeout)
+    fallback = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+    comm = ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
+                           create=False, fallback=fallback,
+                           peers_alive=lambda: os.getppid() == parent_pid)
+    ctx = ParallelContext(spec.rank, spec.world, comm)
+    model_dir = Path(spec.model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, cfg, ctx, dtype)
+    runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype)
+    runner.keepalive = (store, fallback)  # the store client must live as long as the group
+    return runner
+
+
+def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(message)s")
+    try:
+        runner = _build_rank(spec, parent_pid)
+    except BaseException as e:  # report, don't hang rank 0
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # rank 0 is gone
+        step = pickle.loads(payload)
+        if step is None:
+            break
+        try:
+            runner.forward(step)
+        except PeerLostError as e:
+            log.error("%s", e)
+            break
+        except Exception:
+            log.exception("step failed; this worker exits and rank 0 fails the step")
+            os._exit(1)

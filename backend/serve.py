@@ -1,0 +1,149 @@
+"""Run NVIDIA's tritonserver on a model repository with this project's Python environment.
+
+    python -m backend.serve [--model-repository DIR] [--http-port P] [--grpc-port P]
+                            [--metrics-port P] [-- extra tritonserver flags]
+
+Finds `tritonserver` (on PATH, as in NVIDIA's container, else the one shipped in the
+nvidia-pytriton wheel), prepares a Python-backend directory whose stub matches the running Python
+(under $TPLLM_CACHE_DIR or ~/.cache/tp-llm, never inside the venv), sets the environment the stub
+needs and replaces this process with the server (signals go straight to it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+STUB = "triton_python_backend_stub"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TPLLM_CACHE_DIR") or Path.home() / ".cache" / "tp-llm")
+
+
+def _pytriton_dist() -> Path | None:
+    spec = importlib.util.find_spec("pytriton")  # located, not imported (that is slow)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    return d if (d / "bin" / "tritonserver").exists() else None
+
+
+def find_tritonserver() -> tuple[Path, Path | None]:
+    """(the tritonserver binary, the pytriton distribution dir or None for a system install)."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path), None
+    for p in (Path("/opt/tritonserver/bin/tritonserver"),):
+        if p.exists():
+            return p, None
+    dist = _pytriton_dist()
+    if dist is None:
+        sys.exit("tritonserver not found: install NVIDIA's container or `pip install nvidia-pytriton`"
+                 " (make setup does)")
+    return dist / "bin" / "tritonserver", dist
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    if dst.exists() and dst.stat().st_size == src.stat().st_size and \
+            dst.stat().st_mtime >= src.stat().st_mtime:
+        return
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)  # atomic: concurrent launchers never see a half-written stub
+
+
+def prepare_backend_dir(server: Path, dist: Path | None) -> Path | None:
+    """A backends/ directory whose python/ holds the backend library and the stub built for this
+    Python. None: use the server's own (a system install whose stub matches, e.g. the container)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if dist is None:
+        own = server.parent.parent / "backends" / "python"
+        stub = own / STUB
+        if (own / "libtriton_python.so").exists() and stub.exists():
+            return None
+        sys.exit(f"{own}: no Python backend next to {server}")
+    src = dist / "backends" / "python"
+    stub = dist / "python_backend_stubs" / version / STUB
+    if not stub.exists():
+        have = sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
+        sys.exit(f"nvidia-pytriton ships no Python-backend stub for Python {version} "
+                 f"(it has {', '.join(have)}): use one of those Pythons for the venv")
+    out = cache_dir() / "triton-backends" / f"py{version}"
+    (out / "python").mkdir(parents=True, exist_ok=True)
+    for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        _copy_if_changed(src / f, out / "python" / f)
+    _copy_if_changed(stub, out / "python" / STUB)
+    return out
+
+
+def server_env(dist: Path | None) -> dict[str, str]:
+    """The stub embeds this Python: it must find this libpython first, this venv's interpreter
+    first on PATH (how its sys.prefix, hence site-packages, is found: the stub runs Python
+    isolated, PYTHONPATH is ignored), the wheel's bundled libraries, and a UTF-8 locale."""
+    env = dict(os.environ)
+    libs = [sysconfig.get_config_var("LIBDIR") or ""]
+    if dist is not None:
+        libs.append(str(dist.parent.parent / "nvidia_pytriton.libs"))
+    old = env.get("LD_LIBRARY_PATH")
+    env["LD_LIBRARY_PATH"] = ":".join([p for p in libs if p] + ([old] if old else []))
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["TPLLM_PYTHON"] = sys.executable  # for tensor-parallel workers spawned by the stub
+    env.setdefault("LC_ALL", "C.UTF-8")
+    env.setdefault("LANG", "C.UTF-8")
+    env.setdefault("PYTHONUTF8", "1")
+    # Spinning OpenMP threads starve the response thread (and other replicas) on shared cores.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def build_command(args: argparse.Namespace, server: Path, backend_dir: Path | None) -> list[str]:
+    cmd = [str(server), "--model-repository", str(Path(args.model_repository).resolve()),
+           "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
+           "--metrics-port", str(args.metrics_port),
+           "--exit-timeout-secs", str(args.exit_timeout_secs)]
+    if backend_dir is not None:
+        cmd += ["--backend-directory", str(backend_dir)]
+    if args.log_verbose:
+        cmd += ["--log-verbose", str(args.log_verbose)]
+    return cmd + list(args.extra)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    root = Path(__file__).resolve().parent.parent
+    p = argparse.ArgumentParser(prog="python -m backend.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model-repository", default=str(root / "model_repository"))
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--exit-timeout-secs", type=int, default=10,
+                   help="on SIGINT/SIGTERM, how long in-flight requests may finish (default 10)")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment")
+    p.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    repo = Path(args.model_repository)
+    if not repo.is_dir():
+        sys.exit(f"{repo}: model repository not found")
+    server, dist = find_tritonserver()
+    backend_dir = prepare_backend_dir(server, dist)
+    env = server_env(dist)
+    cmd = build_command(args, server, backend_dir)
+    print("serve: " + " ".join(cmd), file=sys.stderr, flush=True)
+    if args.dry_run:
+        for k in ("LD_LIBRARY_PATH", "PATH", "TPLLM_PYTHON", "LC_ALL", "OMP_WAIT_POLICY"):
+            print(f"  {k}={env[k]}", file=sys.stderr)
+        return
+    os.execve(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main()

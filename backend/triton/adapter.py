@@ -1,0 +1,148 @@
+"""The Triton Python-backend model: one engine replica per model instance.
+
+initialize() places the replica, loads (and warms up) the engine and returns only when it is
+ready, so Triton reports READY only then. execute() validates each request, hands it to the
+engine thread and returns at once; the Responder thread streams the deltas back. finalize()
+aborts what is in flight (each stream gets a final error), stops both threads and the
+tensor-parallel workers.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from backend.triton.model_config import check_transaction_policy, parse_parameters
+from backend.triton.placement import compute_placement, count_visible_gpus, cuda_visible_devices
+from backend.triton.request import ALL_INPUTS, parse_request, render_chat
+from backend.triton.response import StreamState
+
+log = logging.getLogger("backend.triton")
+
+
+def _setup_logging(level: str, instance: str) -> None:
+    root = logging.getLogger()
+    if not any(getattr(h, "_tpllm", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h._tpllm = True
+        h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{instance}] %(name)s: "
+                                         "%(message)s", "%H:%M:%S"))
+        root.addHandler(h)
+    root.setLevel(level.upper())
+
+
+def _fix_executable() -> None:
+    """The stub embeds Python: child processes (tensor-parallel workers) must start the venv's
+    interpreter, not the stub. The launcher exports TPLLM_PYTHON; else derive it from sys.prefix."""
+    exe = os.environ.get("TPLLM_PYTHON") or str(Path(sys.prefix) / "bin" / "python")
+    if not sys.executable or not os.path.exists(sys.executable) or \
+            "triton_python_backend_stub" in sys.executable:
+        sys.executable = exe
+    multiprocessing.set_executable(sys.executable)
+
+
+class TritonLLMModel:
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb
+        self.pb = pb
+        t0 = time.perf_counter()
+        config = json.loads(args["model_config"])
+        name, instance = args["model_name"], args["model_instance_name"]
+        engine_kwargs, opts = parse_parameters(config)
+        _setup_logging(opts.log_level, instance)
+        check_transaction_policy(config)
+        placement = compute_placement(
+            args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id") or 0),
+            instance, config.get("instance_group") or [],
+            engine_kwargs.get("tensor_parallel_size", 1), opts.gpu_device_ids, count_visible_gpus())
+        if placement.device == "cuda":  # before anything initializes CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(placement.gpu_ids)
+        model = engine_kwargs.get("model")
+        if model and not os.path.isabs(os.path.expanduser(model)):  # relative to the model dir
+            engine_kwargs["model"] = str(Path(args["model_repository"]).resolve() / model)
+        _fix_executable()
+        log.info("loading %s (%s): %s", name, placement.describe(),
+                 ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) or "defaults")
+
+        from backend.engine.async_engine import AsyncEngine
+        from backend.engine.config import EngineConfig
+        from backend.engine.llm_engine import LLMEngine
+        from backend.triton.metrics import Metrics, NullMetrics, engine_snapshot
+        from backend.triton.responder import Responder
+        try:
+            cfg = EngineConfig(**engine_kwargs)
+            if placement.device == "cuda" and hasattr(cfg, "device"):
+                cfg.device = "cuda"
+            self.llm = LLMEngine(cfg)
+        except Exception as e:
+            raise RuntimeError(f"{name}: cannot load the engine: {e}") from e
+        self.tokenizer = self.llm.tokenizer
+        self.engine = AsyncEngine(self.llm)
+        labels = {"model": name, "version": str(args.get("model_version", "")),
+                  "instance": instance}
+        self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
+        self.responder = Responder(pb, self.engine, self.metrics,
+                                   snapshot=lambda: engine_snapshot(self.llm))
+        self._ids = itertools.count()
+        self._prefix = f"{instance}-{os.getpid()}"
+        self._stopping = False
+        log.info("%s ready in %.1fs (%s)", name, time.perf_counter() - t0, placement.describe())
+
+    # ---- requests ---------------------------------------------------------------------------
+    def execute(self, requests) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _read_inputs(self, request) -> dict:
+        return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in ALL_INPUTS}
+
+    def _submit(self, request) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        arrival = time.perf_counter()
+        if self._stopping:
+            self.responder.send_error(sender, "the model is being unloaded",
+                                      getattr(pb.TritonError, "UNAVAILABLE", None))
+            return
+        rid = f"{self._prefix}-{next(self._ids)}"
+        try:
+            req = parse_request(self._read_inputs(request), request.parameters())
+            prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
+        except ValueError as e:
+            self._reject(sender, str(e))
+            return
+        try:
+            requested = frozenset(request.requested_output_names())
+        except Exception:
+            requested = None
+        state = StreamState(rid, req, sender, arrival=arrival, requested=requested or None)
+        self.responder.register(state)
+        try:
+            self.engine.add_request(rid, prompt, req.params, sink=self.responder)
+        except ValueError as e:
+            self.responder.unregister(rid)
+            self._reject(sender, str(e))
+        except RuntimeError as e:  # the engine is shutting down
+            self.responder.unregister(rid)
+            self.responder.send_error(sender, str(e), getattr(pb.TritonError, "UNAVAILABLE", None))
+
+    def _reject(self, sender, message: str) -> None:
+        log.info("invalid request: %s", message)
+        self.metrics.request_finished("invalid", None, 0, 0)
+        self.responder.send_error(sender, message, getattr(self.pb.TritonError, "INVALID_ARG", None))
+
+    # ---- unload -------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        self._stopping = True
+        n = len(self.responder.active)
+        log.info("unloading: %d request(s) in flight", n)
+        self.engine.shutdown()  # in-flight requests get a final 'abort' output with an error
+        self.responder.stop()
+        self.llm.close()  # tensor-parallel workers
+        log.info("unloaded")

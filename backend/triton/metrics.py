@@ -1,0 +1,131 @@
+"""Custom Triton metrics of one replica (served on Triton's metrics port, Prometheus text format).
+
+All carry the labels model, version and instance. `pb` is triton_python_backend_utils (a fake in
+unit tests); each metric call is an IPC to the server (~15 us), so gauges and engine counters are
+refreshed from a snapshot at most every `interval` seconds, never per token.
+"""
+from __future__ import annotations
+
+import time
+
+TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
+
+HISTOGRAMS = {
+    "llm_time_to_first_token_seconds": ("Time from request arrival to its first token", TTFT_BUCKETS),
+    "llm_inter_token_latency_seconds": ("Time between consecutive output tokens", ITL_BUCKETS),
+    "llm_e2e_request_latency_seconds": ("Time from request arrival to its final response", E2E_BUCKETS),
+}
+COUNTERS = {
+    "llm_prompt_tokens_total": "Prompt tokens of finished requests",
+    "llm_generation_tokens_total": "Generated tokens of finished requests",
+    "llm_engine_steps_total": "Engine steps (one forward pass each)",
+    "llm_engine_sampled_tokens_total": "Tokens sampled by the engine (per-step batch sizes summed)",
+    "llm_preemptions_total": "Sequences preempted for lack of KV blocks",
+}
+GAUGES = {
+    "llm_num_requests_running": "Requests in the running batch",
+    "llm_num_requests_waiting": "Requests waiting to be scheduled",
+    "llm_kv_cache_blocks_used": "KV cache blocks in use",
+    "llm_kv_cache_blocks_total": "KV cache blocks in the pool",
+}
+REQUESTS = "llm_requests_total"  # counter labelled by finish reason (stop, length, abort, error, invalid)
+
+
+class Metrics:
+    def __init__(self, pb, labels: dict[str, str], interval: float = 0.1):
+        self.labels, self.interval = dict(labels), interval
+        kind = pb.MetricFamily
+        self._families = []  # keep families alive longer than their metrics
+        self.hist, self.counter, self.gauge = {}, {}, {}
+        for name, (desc, buckets) in HISTOGRAMS.items():
+            fam = kind(name=name, description=desc, kind=kind.HISTOGRAM)
+            self._families.append(fam)
+            self.hist[name] = fam.Metric(labels=self.labels, buckets=buckets)
+        for name, desc in COUNTERS.items():
+            fam = kind(name=name, description=desc, kind=kind.COUNTER)
+            self._families.append(fam)
+            self.counter[name] = fam.Metric(labels=self.labels)
+        for name, desc in GAUGES.items():
+            fam = kind(name=name, description=desc, kind=kind.GAUGE)
+            self._families.append(fam)
+            self.gauge[name] = fam.Metric(labels=self.labels)
+        self._req_family = kind(name=REQUESTS, description="Finished requests by finish reason",
+                                kind=kind.COUNTER)
+        self._by_reason: dict[str, object] = {}
+        self._last_gauges: dict[str, float] = {}
+        self._last_engine: dict[str, float] = {}
+        self._next_refresh = 0.0
+
+    # ---- per request (response thread) ------------------------------------------------------
+    def observe_ttft(self, seconds: float) -> None:
+        self.hist["llm_time_to_first_token_seconds"].observe(seconds)
+
+    def observe_itl(self, gaps: list[float]) -> None:
+        h = self.hist["llm_inter_token_latency_seconds"]
+        for g in gaps:
+            h.observe(g)
+
+    def request_finished(self, reason: str, e2e: float | None, prompt_tokens: int,
+                         output_tokens: int) -> None:
+        if e2e is not None:
+            self.hist["llm_e2e_request_latency_seconds"].observe(e2e)
+        if prompt_tokens:
+            self.counter["llm_prompt_tokens_total"].increment(prompt_tokens)
+        if output_tokens:
+            self.counter["llm_generation_tokens_total"].increment(output_tokens)
+        m = self._by_reason.get(reason)
+        if m is None:
+            m = self._by_reason[reason] = self._req_family.Metric(
+                labels={**self.labels, "finish_reason": reason})
+        m.increment(1)
+
+    # ---- engine snapshot (response thread, rate-limited) ------------------------------------
+    def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
+        """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
+        (steps, sampled_tokens, preemptions)."""
+        now = time.monotonic()
+        if not force and now < self._next_refresh:
+            return
+        self._next_refresh = now + self.interval
+        for name in GAUGES:
+            v = snapshot.get(name)
+            if v is not None and self._last_gauges.get(name) != v:
+                self.gauge[name].set(v)
+                self._last_gauges[name] = v
+        for key, name in (("steps", "llm_engine_steps_total"),
+                          ("sampled_tokens", "llm_engine_sampled_tokens_total"),
+                          ("preemptions", "llm_preemptions_total")):
+            v = snapshot.get(key)
+            if v is None:
+                continue
+            delta = v - self._last_engine.get(key, 0)
+            if delta > 0:
+                self.counter[name].increment(delta)
+            self._last_engine[key] = v
+
+
+class NullMetrics:
+    """enable_metrics false: the same interface, no effect."""
+
+    def observe_ttft(self, seconds): pass
+    def observe_itl(self, gaps): pass
+    def request_finished(self, reason, e2e, prompt_tokens, output_tokens): pass
+    def refresh(self, snapshot, force=False): pass
+
+
+def engine_snapshot(engine) -> dict[str, float]:
+    """Gauges and cumulative counters read from an LLMEngine owned by another thread: reads of
+    list lengths and ints only (atomic under the GIL; a value may be one step old)."""
+    sched, kv, stats = engine.scheduler, engine.kv, engine.stats
+    return {
+        "llm_num_requests_running": len(sched.running),
+        "llm_num_requests_waiting": len(sched.waiting),
+        "llm_kv_cache_blocks_used": kv.num_used_blocks,
+        "llm_kv_cache_blocks_total": kv.num_blocks,
+        "steps": stats.steps, "sampled_tokens": stats.sampled_tokens,
+        "preemptions": stats.preemptions,
+    }

@@ -1,0 +1,81 @@
+"""config.pbtxt `parameters` -> engine settings and adapter options (pure: plain dicts in/out).
+
+Every parameter is a string (Triton's `string_value`); empty or an unfilled "${...}" template
+means "use the default". A bad value is a load error naming the parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# parameter name -> (type, EngineConfig field)
+ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
+    "model": (str, "model"),
+    "dtype": (str, "dtype"),
+    "tensor_parallel_size": (int, "tensor_parallel_size"),
+    "num_threads": (int, "num_threads"),
+    "block_size": (int, "block_size"),
+    "num_kv_blocks": (int, "num_kv_blocks"),
+    "kv_cache_memory_gb": (float, "kv_cache_memory_gb"),
+    "max_num_seqs": (int, "max_num_seqs"),
+    "max_num_batched_tokens": (int, "max_num_batched_tokens"),
+    "max_model_len": (int, "max_model_len"),
+    "seed": (int, "seed"),
+}
+ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "log_level": str}
+
+
+@dataclass
+class AdapterOptions:
+    gpu_device_ids: str = ""
+    enable_metrics: bool = True
+    log_level: str = "INFO"
+
+
+def parameter_values(model_config: dict) -> dict[str, str]:
+    """{name: string value} of the set parameters (empty and "${...}" values dropped)."""
+    out = {}
+    for name, v in (model_config.get("parameters") or {}).items():
+        s = v.get("string_value", "") if isinstance(v, dict) else str(v)
+        s = s.strip()
+        if s and not (s.startswith("${") and s.endswith("}")):
+            out[name] = s
+    return out
+
+
+def _convert(name: str, typ: type, s: str):
+    try:
+        if typ is bool:
+            low = s.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return typ(s)
+    except ValueError:
+        kind = {int: "an integer", float: "a number", bool: "true or false"}.get(typ, typ.__name__)
+        raise ValueError(f"parameter {name}: must be {kind}, got {s!r}") from None
+
+
+def parse_parameters(model_config: dict) -> tuple[dict, AdapterOptions]:
+    """(EngineConfig keyword arguments, AdapterOptions). Unknown parameters are errors, so a typo
+    in config.pbtxt does not silently fall back to a default."""
+    engine_kwargs: dict = {}
+    opts = AdapterOptions()
+    for name, s in parameter_values(model_config).items():
+        if name in ENGINE_PARAMETERS:
+            typ, field = ENGINE_PARAMETERS[name]
+            engine_kwargs[field] = _convert(name, typ, s)
+        elif name in ADAPTER_PARAMETERS:
+            setattr(opts, name, _convert(name, ADAPTER_PARAMETERS[name], s))
+        else:
+            known = ", ".join(sorted([*ENGINE_PARAMETERS, *ADAPTER_PARAMETERS]))
+            raise ValueError(f"parameter {name}: unknown; known parameters: {known}")
+    return engine_kwargs, opts
+
+
+def check_transaction_policy(model_config: dict) -> None:
+    policy = model_config.get("model_transaction_policy") or {}
+    if not policy.get("decoupled", False):
+        raise ValueError("model_transaction_policy: this model streams its output and needs "
+                         "`model_transaction_policy { decoupled: true }` in config.pbtxt")

@@ -1,0 +1,242 @@
+"""Triton request -> (prompt, SamplingParams, options): pure functions over plain values.
+
+Three sources, most specific wins: input tensors > request parameters (HTTP generate's
+`parameters`) > the `sampling_parameters` JSON object (vLLM-backend convention). Every error is a
+ValueError whose message starts with the name the client used (e.g. "min_length: ...").
+See docs in model_repository/llm/README.md for the contract and the defaults.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.engine.sampling_params import SamplingParams
+
+# client name -> (kind, target). Targets starting with "." are adapter options, others are
+# SamplingParams fields. TensorRT-LLM names (min_length, random_seed, runtime_top_k/p) are aliases.
+FIELDS: dict[str, tuple[str, str]] = {
+    "max_tokens": ("int", "max_tokens"),
+    "min_tokens": ("int", "min_tokens"),
+    "min_length": ("int", "min_tokens"),
+    "temperature": ("float", "temperature"),
+    "top_k": ("int", "top_k"),
+    "runtime_top_k": ("int", "top_k"),
+    "top_p": ("float", "top_p"),
+    "runtime_top_p": ("float", "top_p"),
+    "min_p": ("float", "min_p"),
+    "repetition_penalty": ("float", "repetition_penalty"),
+    "presence_penalty": ("float", "presence_penalty"),
+    "frequency_penalty": ("float", "frequency_penalty"),
+    "seed": ("uint64", "seed"),
+    "random_seed": ("uint64", "seed"),
+    "stop_words": ("strs", "stop"),
+    "stop": ("strs", "stop"),
+    "stop_token_ids": ("ints", "stop_token_ids"),
+    "ignore_eos": ("bool", "ignore_eos"),
+    "include_stop_str_in_output": ("bool", "include_stop_str_in_output"),
+    "skip_special_tokens": ("bool", "skip_special_tokens"),
+    "beam_width": ("int", ".beam_width"),
+    "n": ("int", ".beam_width"),
+    "stream": ("bool", ".stream"),
+    "exclude_input_in_output": ("bool", ".exclude_input_in_output"),
+    "chat": ("bool", ".chat"),
+    "return_finish_reason": ("bool", ".return_finish_reason"),
+    "return_num_input_tokens": ("bool", ".return_num_input_tokens"),
+    "return_num_output_tokens": ("bool", ".return_num_output_tokens"),
+    "return_cumulative_logprob": ("bool", ".return_cumulative_logprob"),
+}
+# Input tensors of config.pbtxt besides text_input / sampling_parameters (all optional).
+TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p",
+                 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                 "random_seed", "stop_words", "ignore_eos", "stream", "exclude_input_in_output",
+                 "chat", "beam_width", "return_finish_reason", "return_num_input_tokens",
+                 "return_num_output_tokens", "return_cumulative_logprob")
+ALL_INPUTS = ("text_input", "sampling_parameters", *TENSOR_INPUTS)
+RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob")
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    chat: bool = False
+    messages: list | None = None
+    # None = the default (finish_reason/num_*_tokens on the final response; no logprob);
+    # True = on every response; False = never.
+    returns: dict[str, bool | None] = field(default_factory=dict)
+
+
+def _one(name: str, v):
+    """The single element of a tensor (shape [1] or [1, 1]); scalars pass through."""
+    if isinstance(v, np.ndarray):
+        if v.size != 1:
+            raise ValueError(f"{name}: expected one value, got {v.size}")
+        return v.reshape(-1)[0]
+    if isinstance(v, (list, tuple)):
+        if len(v) != 1:
+            raise ValueError(f"{name}: expected one value, got {len(v)}")
+        return v[0]
+    return v
+
+
+def _text(name: str, v) -> str:
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{name}: not valid UTF-8") from None
+    if isinstance(v, str):
+        return v
+    raise ValueError(f"{name}: must be a string, got {type(v).__name__}")
+
+
+def convert(name: str, kind: str, v):
+    """One client value -> the Python value of `kind`, or ValueError naming `name`."""
+    if kind == "strs":
+        if isinstance(v, np.ndarray):
+            v = v.reshape(-1).tolist()
+        if isinstance(v, (bytes, str)):
+            s = _text(name, v)
+            if s.startswith("["):  # a JSON list given as one string (request parameters)
+                try:
+                    v = json.loads(s)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{name}: not a valid JSON list of strings") from None
+            else:
+                return [s] if s else []
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"{name}: must be a list of strings")
+        return [s for s in (_text(name, x) for x in v) if s]  # TRT-LLM pads with ""
+    if kind == "ints":
+        if isinstance(v, np.ndarray):
+            v = v.reshape(-1).tolist()
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"{name}: must be a list of integers")
+        return [convert(name, "int", x) for x in v]
+    v = _one(name, v)
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, bytes):
+        v = _text(name, v)
+    if kind == "bool":
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+            return v.strip().lower() in ("true", "1")
+        raise ValueError(f"{name}: must be a boolean (true or false), got {v!r}")
+    if isinstance(v, bool):
+        raise ValueError(f"{name}: must be a number, got {v!r}")
+    if isinstance(v, str):
+        try:
+            v = float(v) if kind == "float" else int(v.strip())
+        except ValueError:
+            try:
+                v = float(v)  # "16.0" for an integer field
+            except ValueError:
+                raise ValueError(f"{name}: must be a number, got {v!r}") from None
+    if kind == "float":
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}: must be a finite number, got {v!r}")
+        return float(v)
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise ValueError(f"{name}: must be an integer, got {v!r}")
+        v = int(v)
+    if not isinstance(v, int):
+        raise ValueError(f"{name}: must be an integer, got {v!r}")
+    if kind == "uint64" and not 0 <= v < 2**64:
+        raise ValueError(f"{name}: must be in [0, 2^64), got {v}")
+    return v
+
+
+def _sampling_json(v) -> dict:
+    s = _text("sampling_parameters", _one("sampling_parameters", v))
+    if not s.strip():
+        return {}
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sampling_parameters: not valid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("sampling_parameters: must be a JSON object")
+    for k in obj:
+        if k not in FIELDS:
+            raise ValueError(f"sampling_parameters: unknown field {k!r}")
+    return obj
+
+
+def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedRequest:
+    """`inputs`: input name -> numpy array (or plain value); `parameters`: the request parameters
+    (a dict or its JSON text). Unknown request parameters are ignored (Triton shares them)."""
+    if "text_input" not in inputs or inputs["text_input"] is None:
+        raise ValueError("text_input: required")
+    prompt = _text("text_input", _one("text_input", inputs["text_input"]))
+    if isinstance(parameters, str):
+        parameters = json.loads(parameters) if parameters.strip() else {}
+    values: dict[str, tuple[str, object]] = {}  # target -> (client name, value)
+    if inputs.get("sampling_parameters") is not None:
+        for k, v in _sampling_json(inputs["sampling_parameters"]).items():
+            if v is not None:
+                name = f"sampling_parameters.{k}"
+                values[FIELDS[k][1]] = (name, convert(name, FIELDS[k][0], v))
+    for k, v in (parameters or {}).items():
+        if k in FIELDS:
+            values[FIELDS[k][1]] = (k, convert(k, FIELDS[k][0], v))
+    for k, v in inputs.items():
+        if k in FIELDS and v is not None:
+            values[FIELDS[k][1]] = (k, convert(k, FIELDS[k][0], v))
+    opts = {t[1:]: val for t, (_, val) in values.items() if t.startswith(".")}
+    kwargs = {t: val for t, (_, val) in values.items() if not t.startswith(".")}
+    if opts.get("beam_width", 1) != 1:
+        name = values[".beam_width"][0]
+        raise ValueError(f"{name}: only 1 is supported (no beam search / parallel sampling)")
+    returns = {f: opts.get(f"return_{f}") for f in RETURN_FIELDS}
+    if returns["cumulative_logprob"]:
+        kwargs["logprobs"] = True
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:  # the engine names its field; name it as the client did
+        msg = str(e)
+        target = msg.split(":", 1)[0]
+        if target in values and values[target][0] != target:
+            msg = values[target][0] + msg[len(target):]
+        raise ValueError(msg) from None
+    req = ParsedRequest(prompt, params, opts.get("stream", False),
+                        opts.get("exclude_input_in_output", False), opts.get("chat", False),
+                        returns=returns)
+    if req.chat:
+        req.messages = parse_messages(prompt)
+    return req
+
+
+def parse_messages(text: str) -> list[dict]:
+    """Chat mode: text_input is a JSON list of {"role", "content"} (or a plain string, taken as
+    one user message)."""
+    s = text.strip()
+    if not s.startswith("["):
+        return [{"role": "user", "content": text}]
+    try:
+        msgs = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"text_input: chat messages are not valid JSON ({e.msg})") from None
+    if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                           and isinstance(m.get("content"), str) for m in msgs):
+        raise ValueError('text_input: chat messages must be a non-empty JSON list of '
+                         '{"role": "...", "content": "..."} objects')
+    return msgs
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat: this model has no chat template; send plain text_input")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:
+        raise ValueError(f"text_input: the chat template rejected the messages ({e})") from None

@@ -1,0 +1,90 @@
+"""Per-request response state: engine RequestOutput deltas -> Triton output tensors (numpy).
+
+Pure (no Triton import): the adapter wraps the returned dicts into pb_utils tensors.
+Streaming sends each non-empty text delta; non-streaming sends one response at the end, with the
+prompt prepended unless exclude_input_in_output (the TensorRT-LLM / vLLM backend convention).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.engine.outputs import RequestOutput
+from backend.triton.request import ParsedRequest
+
+FINAL_BY_DEFAULT = ("finish_reason", "num_input_tokens", "num_output_tokens")
+
+
+@dataclass
+class StreamState:
+    request_id: str
+    req: ParsedRequest
+    sender: object  # pb_utils.InferenceResponseSender (opaque here)
+    arrival: float = field(default_factory=time.perf_counter)
+    requested: frozenset | None = None  # requested output names (None = all)
+    text: list[str] = field(default_factory=list)  # non-streaming accumulation
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+    cancelled: bool = False
+    last_cancel_check: float = 0.0
+
+
+def _bytes(s: str) -> np.ndarray:
+    return np.array([s.encode("utf-8")], dtype=object)
+
+
+def _fields(state: StreamState, out: RequestOutput, final: bool) -> dict:
+    d = {}
+    for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob"):
+        flag = state.req.returns.get(name)
+        want = flag is True or (flag is None and final and name in FINAL_BY_DEFAULT)
+        if not want or (state.requested is not None and name not in state.requested):
+            continue
+        if name == "finish_reason":
+            d[name] = _bytes(out.finish_reason or "")
+        elif name == "cumulative_logprob":
+            if out.cumulative_logprob is not None:
+                d[name] = np.array([out.cumulative_logprob], dtype=np.float32)
+        else:
+            d[name] = np.array([getattr(out, name)], dtype=np.int32)
+    return d
+
+
+def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
+    """The output tensors to send for `out`, or None when nothing is due (an empty streaming
+    delta, or a non-streaming request that has not finished)."""
+    final = out.finished
+    if not state.req.stream:
+        state.text.append(out.text)
+        if not final:
+            return None
+        text = "".join(state.text)
+        if not state.req.exclude_input_in_output and not state.req.chat:
+            text = state.req.prompt + text
+    else:
+        text = out.text
+        if not text and not final:
+            return None
+    d = {"text_output": _bytes(text)}
+    d.update(_fields(state, out, final))
+    return d
+
+
+def record_tokens(state: StreamState, out: RequestOutput, now: float) -> tuple[float | None, list[float]]:
+    """Updates the timing of `state`; returns (ttft if this is the first token, inter-token gaps)."""
+    n = out.num_output_tokens - state.num_output_tokens
+    if n <= 0:
+        return None, []
+    state.num_output_tokens = out.num_output_tokens
+    ttft, gaps = None, []
+    if state.first_token_time is None:
+        state.first_token_time = now
+        ttft = now - state.arrival
+        n -= 1
+    if n > 0 and state.last_token_time is not None:
+        gaps = [(now - state.last_token_time) / n] * n
+    state.last_token_time = now
+    return ttft, gaps

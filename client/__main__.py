@@ -1,0 +1,89 @@
+"""Command-line entry: `python -m client bench offline ...` (more commands plug in one function each).
+
+Each command declares its arguments here and names the module whose `main(args)` runs it, so
+torch is imported only after the OpenMP wait policy has been settled (see `_ensure_wait_policy`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+
+def _runtime_args(p: argparse.ArgumentParser) -> None:
+    """Options every command that loads a model shares."""
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--wait-policy", default="unset", choices=["passive", "active", "unset"],
+                   help="OMP_WAIT_POLICY for this run; 'unset' runs without it (default)")
+
+
+def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("offline", help="offline throughput/latency vs transformers and floors")
+    _runtime_args(p)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of workload (a) (default 3)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/offline-<ts>.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.set_defaults(runner="client.bench_offline")
+
+
+def _cmd_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_cmd", required=True, metavar="{offline}")
+    _cmd_bench_offline(bench)
+
+
+def _cmd_serving(sub: argparse._SubParsersAction) -> None:
+    """generate / chat against a running server (python -m backend.serve)."""
+    from client.generate import add_arguments
+    p = sub.add_parser("generate", help="one request to the server, tokens printed as they arrive")
+    p.add_argument("prompt")
+    p.add_argument("--stream", action="store_true", help="stream the output (default: one response)")
+    add_arguments(p)
+    p.set_defaults(runner="client.generate")
+    p = sub.add_parser("chat", help="interactive chat with the server (the model's chat template)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_arguments(p)
+    p.set_defaults(runner="client.chat", max_tokens=256)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _cmd_bench(sub)
+    _cmd_serving(sub)
+    return parser
+
+
+def _ensure_wait_policy(policy: str) -> None:
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: if the environment differs from
+    the request, re-exec this same command with the variable set (or removed)."""
+    want = None if policy == "unset" else policy.upper()
+    have = os.environ.get("OMP_WAIT_POLICY")
+    if (have.upper() if have else None) == want:
+        return
+    if "torch" in sys.modules:  # called in-process after torch loaded: too late to change
+        print(f"warning: OMP_WAIT_POLICY={have} already in effect; --wait-policy {policy} ignored",
+              file=sys.stderr)
+        return
+    if want is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = want
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "client", *sys.argv[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if argv is None and hasattr(args, "wait_policy"):  # re-exec only reproduces the real argv
+        _ensure_wait_policy(args.wait_policy)
+    return importlib.import_module(args.runner).main(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

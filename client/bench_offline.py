@@ -1,0 +1,209 @@
+"""`python -m client bench offline`: our engine vs HF transformers vs hardware floors.
+
+(a) concurrency 1 (TTFT, TPOT, e2e; one warm-up, then R repeats); (b) N requests submitted in one
+generate call (wall, output tok/s, total tok/s). Every request produces exactly its token budget
+(greedy, ignore_eos / min_new_tokens), so both systems do the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from backend import LLM, SamplingParams
+from backend.engine.llm_engine import resolve_model_dir
+from backend.model.config import ModelConfig
+from client import benchutil as bu
+from client import floors
+
+FULL = {"a": (1024, 64), "b": (64, 256, 128)}  # (a): in, out; (b): requests, in, out
+QUICK = {"a": (128, 8), "b": (8, 32, 16)}
+HF_BATCH = 16
+VLLM_CPU_TOK_S = (120.0, 134.0)  # vLLM CPU's published output tok/s for (b) on this machine
+
+
+def _stats_delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+
+
+def ours_single(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
+    """prompts[0] is the warm-up; each later prompt is one counted repeat."""
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    raw: dict[str, list] = {"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []}
+    before = llm.stats
+    for i, p in enumerate(prompts):
+        out = llm.generate([p], sp)[0]
+        assert len(out.token_ids) == out_len, (len(out.token_ids), out_len)
+        if i == 0:
+            before = llm.stats  # engine stats of the counted repeats only
+            continue
+        ttft, e2e = out.metrics["ttft_s"], out.metrics["e2e_s"]
+        raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
+        raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
+        raw["token_ids"].append(out.token_ids)
+    return {"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")},
+            "engine_stats": _stats_delta(llm.stats, before)}
+
+
+def ours_batch(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    before = llm.stats
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    assert all(len(o.token_ids) == out_len for o in outs)
+    ttft, e2e = [o.metrics["ttft_s"] for o in outs], [o.metrics["e2e_s"] for o in outs]
+    return {**_throughput(wall, len(prompts), len(prompts[0]), out_len),
+            "ttft_s": bu.percentiles(ttft), "e2e_s": bu.percentiles(e2e),
+            "engine_stats": _stats_delta(llm.stats, before)}
+
+
+def _throughput(wall: float, n: int, in_len: int, out_len: int) -> dict:
+    return {"wall_s": wall, "output_tok_s": n * out_len / wall,
+            "total_tok_s": n * (in_len + out_len) / wall}
+
+
+class HFRunner:
+    def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()  # generation-config chatter would drown the tables
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.pad_id = pad_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n: int) -> tuple[float, torch.Tensor]:
+        """Greedy, exactly `n` new tokens per row; left padding + attention mask for batches."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_id)
+        dt = time.perf_counter() - t0
+        assert out.shape[1] == width + n, (out.shape, width, n)
+        return dt, out[:, width:]
+
+    def single(self, prompts: list[list[int]], out_len: int) -> dict:
+        """TTFT = a max_new_tokens=1 generate; TPOT from a full generate of the same prompt."""
+        raw: dict[str, list] = {"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []}
+        for i, p in enumerate(prompts):
+            ttft, _ = self.generate([p], 1)
+            e2e, toks = self.generate([p], out_len)
+            if i == 0:
+                continue  # warm-up
+            raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
+            raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
+            raw["token_ids"].append(toks[0].tolist())
+        return {"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")}}
+
+    def batch(self, prompts: list[list[int]], out_len: int) -> dict:
+        walls = [self.generate(prompts[i:i + HF_BATCH], out_len)[0]
+                 for i in range(0, len(prompts), HF_BATCH)]
+        return {**_throughput(sum(walls), len(prompts), len(prompts[0]), out_len),
+                "batch_size": HF_BATCH, "batch_wall_s": walls}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ratios(res: dict, vllm_ref: float) -> list[dict]:
+    a, b, hf, fl = res["ours"]["a"], res["ours"]["b"], res.get("hf"), res["floor"]
+    med = lambda r, k: r[k]["median"]  # noqa: E731
+    return [
+        bu.ratio_row("(a) e2e ours/HF", med(a, "e2e_s") / med(hf["a"], "e2e_s") if hf else None,
+                     0.75, False),
+        bu.ratio_row("(a) TTFT ours/floor", med(a, "ttft_s") / fl["a"]["ttft_s"], 1.5, False),
+        bu.ratio_row("(a) TPOT ours/floor", med(a, "tpot_s") / fl["a"]["tpot_s"], 1.3, False),
+        bu.ratio_row("(b) output tok/s ours/HF",
+                     b["output_tok_s"] / hf["b"]["output_tok_s"] if hf else None, 3.0, True),
+        bu.ratio_row(f"(b) output tok/s ours/vLLM-CPU ({vllm_ref:g} tok/s)",
+                     b["output_tok_s"] / vllm_ref, 1.5, True),
+    ]
+
+
+def report(res: dict) -> str:
+    (in_a, out_a), (n_b, in_b, out_b) = res["sizes"]["a"], res["sizes"]["b"]
+    rows_a, rows_b = [], []
+    systems = [("ours", res["ours"]), ("transformers", res.get("hf"))]
+    for name, r in systems:
+        if r is not None:
+            a, b = r["a"], r["b"]
+            rows_a.append([name] + [bu.fmt_spread(a[k], 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
+            rows_b.append([name, bu.fmt_num(b["wall_s"], 2), bu.fmt_num(b["output_tok_s"]),
+                           bu.fmt_num(b["total_tok_s"])])
+    fa, fb = res["floor"]["a"], res["floor"]["b"]
+    rows_a.append(["floor"] + [bu.fmt_num(fa[k] * 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
+    rows_b.append(["floor", bu.fmt_num(fb["wall_s"], 2), bu.fmt_num(fb["output_tok_s"]),
+                   bu.fmt_num(fb["total_tok_s"])])
+    rates = res["floor"]["rates"]
+    return "\n".join([
+        bu.header_line(res["info"]),
+        f"floors: GEMM {rates['matmul_shape']} {rates['matmul_gflops']:.1f} GFLOP/s, "
+        f"read bandwidth {rates['read_bandwidth_gbs']:.1f} GB/s",
+        "",
+        bu.table(f"(a) concurrency 1, {in_a} in / {out_a} out, {res['repeats']} repeats "
+                 "(median [min-max])", ["", "TTFT ms", "TPOT ms", "e2e ms"], rows_a),
+        "",
+        bu.table(f"(b) {n_b} requests x {in_b} in / {out_b} out, submitted at once",
+                 ["", "wall s", "output tok/s", "total tok/s"], rows_b),
+        "",
+        "targets:",
+        bu.ratio_lines(res["ratios"]),
+    ])
+
+
+def main(args: argparse.Namespace) -> int:
+    sizes = QUICK if args.quick else FULL
+    (in_a, out_a), (n_b, in_b, out_b) = sizes["a"], sizes["b"]
+    torch.set_num_threads(args.threads)  # the same threads for floors, our engine and HF
+    model_dir = str(resolve_model_dir(args.model))
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = getattr(torch, args.dtype)
+    res: dict = {"config": dict(vars(args)), "sizes": sizes, "repeats": args.repeats,
+                 "info": bu.run_info(args.threads, args.dtype, model_dir)}
+
+    # Rates measured before and after our runs (each best-of-5), keeping the best: the machine is
+    # shared, and a floor is what it can do at best. The 1 GiB buffer is freed right after.
+    cost = floors.ModelCost.from_config(cfg, dtype)
+    rate_runs = [floors.measure(cfg, dtype, in_a)]
+
+    prompts_a = bu.make_prompts(args.repeats + 1, in_a, cfg.vocab_size, args.seed)
+    prompts_b = bu.make_prompts(n_b, in_b, cfg.vocab_size, args.seed + 1)
+
+    llm = LLM(model=model_dir, dtype=args.dtype, num_threads=args.threads)
+    res["info"]["model_dir"] = str(llm.engine.model_dir)
+    pad_id = llm.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else (cfg.eos_token_ids or (0,))[0]
+    res["ours"] = {"a": ours_single(llm, prompts_a, out_a), "b": ours_batch(llm, prompts_b, out_b),
+                   "engine_config": vars(llm.config), "engine_stats_total": llm.stats}
+    del llm
+    gc.collect()  # free our weights and KV pool before transformers loads its copy
+    rate_runs.append(floors.measure(cfg, dtype, in_a))
+    rates = {**rate_runs[0], "runs": rate_runs,
+             **{k: max(r[k] for r in rate_runs) for k in ("matmul_gflops", "read_bandwidth_gbs")}}
+    res["floor"] = {"rates": rates, "cost": floors.cost_dict(cost),
+                    "a": floors.single_floor(cost, rates, in_a, out_a),
+                    "b": floors.batch_floor(cost, rates, n_b, in_b, out_b)}
+
+    if args.compare == "hf":
+        hf = HFRunner(res["info"]["model_dir"], dtype, pad_id)
+        res["hf"] = {"a": hf.single(prompts_a, out_a), "b": hf.batch(prompts_b, out_b)}
+        del hf
+        gc.collect()
+        res["greedy_common_prefix_ours_hf_a"] = [
+            _common_prefix(x, y) for x, y in zip(res["ours"]["a"]["raw"]["token_ids"],
+                                                 res["hf"]["a"]["raw"]["token_ids"])]
+
+    res["ratios"] = _ratios(res, VLLM_CPU_TOK_S[1])
+    text = report(res)
+    res["report"] = text
+    out = args.out or bu.default_out("offline")
+    res["config"]["out"] = str(out)
+    path = bu.write_json(out, res)
+    print(text)
+    print(f"\nwrote {path}")
+    return 0

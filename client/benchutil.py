@@ -1,0 +1,114 @@
+"""Helpers shared by the benchmarks: prompts, summaries, tables, run info, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`n` prompts of exactly `length` token ids. Ids come from the middle of the vocabulary so
+    that no special/control tokens (low ids) or rare merges (the tail) end up in them."""
+    import torch
+    lo = min(1000, vocab_size // 4)
+    hi = max(lo + 1, vocab_size - lo)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, (n, length), generator=g).tolist()
+
+
+def summarize(xs: Sequence[float]) -> dict[str, float]:
+    xs = list(xs)
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+            "mean": statistics.fmean(xs), "n": len(xs)}
+
+
+def percentiles(xs: Sequence[float], ps: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles (no interpolation: every value is one that was measured)."""
+    s = sorted(xs)
+    return {f"p{p}": s[min(len(s) - 1, max(0, -(-p * len(s) // 100) - 1))] for p in ps}
+
+
+def fmt_spread(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:
+    """'median [min-max]' of a summary; a single value when min == max (one repeat)."""
+    if s is None:
+        return "-"
+    med, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
+    if s.get("n", 1) <= 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def fmt_num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    rule = "-" * len(line(headers))
+    return "\n".join([title, line(headers), rule, *(line(r) for r in rows)])
+
+
+def verdict(value: float | None, target: float, higher_is_better: bool) -> str:
+    if value is None:
+        return "n/a"
+    ok = value >= target if higher_is_better else value <= target
+    return "PASS" if ok else "MISS"
+
+
+def ratio_row(name: str, value: float | None, target: float, higher_is_better: bool) -> dict:
+    return {"name": name, "value": value, "target": target,
+            "op": ">=" if higher_is_better else "<=",
+            "verdict": verdict(value, target, higher_is_better)}
+
+
+def ratio_lines(ratios: Sequence[dict]) -> str:
+    w = max(len(r["name"]) for r in ratios)
+    return "\n".join(f"  {r['name'].ljust(w)}  {fmt_num(r['value'], 2):>7}  "
+                     f"(target {r['op']} {r['target']:g})  {r['verdict']}" for r in ratios)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_info(threads: int, dtype: str, model_dir: str) -> dict[str, Any]:
+    import torch
+    return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "dtype": dtype,
+            "model_dir": model_dir, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
+
+
+def header_line(info: dict[str, Any]) -> str:
+    return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
+            f"{info['omp_wait_policy']} | {info['dtype']} | {info['model_dir']} | "
+            f"{info['cpu']} ({info['cpu_count']} cpus) | {info['date']} | "
+            f"load {info['loadavg_at_start']:.2f}")
+
+
+def default_out(prefix: str) -> Path:
+    return Path("bench_results") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path

@@ -1,0 +1,114 @@
+"""Hardware floors: what this machine could do at best, measured in-process with the bench's
+threads, and the model's FLOP / byte costs that turn them into per-workload lower bounds.
+
+Prefill is compute-bound (GEMM rate), single-sequence decode is bandwidth-bound (every weight is
+read once per step), batched decode is whichever of the two is slower per step.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    layers: int
+    heads: int
+    head_dim: int
+    layer_params: int  # all decoder linears (qkv, o, gate_up, down incl. biases), all layers
+    lm_head_params: int
+    itemsize: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "ModelCost":
+        h, hd = cfg.hidden_size, cfg.head_dim
+        q, kv, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+        per_layer = (h * (q + 2 * kv) + (q + 2 * kv) * cfg.qkv_bias  # qkv_proj
+                     + q * h + h * cfg.o_bias                        # o_proj
+                     + h * 2 * inter + 2 * inter * cfg.mlp_bias      # gate_up_proj
+                     + inter * h + h * cfg.mlp_bias)                 # down_proj
+        return cls(cfg.num_layers, cfg.num_heads, hd, per_layer * cfg.num_layers,
+                   cfg.vocab_size * h, torch.empty((), dtype=dtype).element_size())
+
+    def forward_flops(self, new_tokens: int, ctx_start: int, logits_rows: int) -> float:
+        """FLOPs of one sequence's forward over `new_tokens` tokens after `ctx_start` cached ones:
+        linears per token, lm_head only for rows that sample, causal attention (QK^T and PV,
+        token at position p attends to p+1 keys; a prefill of L gives ~L^2/2)."""
+        keys = new_tokens * ctx_start + new_tokens * (new_tokens + 1) / 2
+        attn = 2 * 2 * self.layers * self.heads * self.head_dim * keys
+        return 2 * self.layer_params * new_tokens + 2 * self.lm_head_params * logits_rows + attn
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes read per decode step: every linear incl. lm_head (the embedding row is ignored)."""
+        return (self.layer_params + self.lm_head_params) * self.itemsize
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> float:
+    """Best-of-`runs` GFLOP/s of x[m,k] @ w[n,k]^T, the way the engine's linears call it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    F.linear(x, w)  # warm-up: thread pool start, oneDNN/MKL kernel selection
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * k * n / best / 1e9
+
+
+def read_bandwidth_gbs(gib: float = 1.0, runs: int = 5) -> float:
+    """Best-of-`runs` GB/s of summing a buffer far larger than the caches. It is filled with ones
+    (not torch.empty) so its pages are really mapped and the sum reads DRAM, not the zero page."""
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    nbytes = buf.numel() * buf.element_size()
+    del buf
+    gc.collect()
+    return nbytes / best / 1e9
+
+
+def measure(cfg: ModelConfig, dtype: torch.dtype, prefill_len: int) -> dict:
+    """Machine rates for this model: GEMM shaped like its biggest prefill GEMM (gate_up), and
+    memory read bandwidth."""
+    m, k, n = prefill_len, cfg.hidden_size, 2 * cfg.intermediate_size
+    return {"matmul_shape": [m, k, n], "matmul_gflops": matmul_gflops(m, k, n, dtype),
+            "read_bandwidth_gbs": read_bandwidth_gbs()}
+
+
+def single_floor(cost: ModelCost, rates: dict, input_len: int, output_len: int) -> dict:
+    """Concurrency-1 floors: TTFT = prefill FLOPs / GEMM rate; TPOT = weight bytes / bandwidth."""
+    prefill_flops = cost.forward_flops(input_len, 0, 1)
+    ttft = prefill_flops / (rates["matmul_gflops"] * 1e9)
+    tpot = cost.weight_bytes / (rates["read_bandwidth_gbs"] * 1e9)
+    return {"prefill_flops": prefill_flops, "decode_bytes_per_token": cost.weight_bytes,
+            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + (output_len - 1) * tpot}
+
+
+def batch_floor(cost: ModelCost, rates: dict, n: int, input_len: int, output_len: int) -> dict:
+    """Floor of `n` requests at once: all prefills at the GEMM rate, then each decode step costs
+    the slower of its compute (n rows) and one read of the weights."""
+    rate, bw = rates["matmul_gflops"] * 1e9, rates["read_bandwidth_gbs"] * 1e9
+    prefill = n * cost.forward_flops(input_len, 0, 1) / rate
+    decode = sum(max(n * cost.forward_flops(1, input_len + j, 1) / rate, cost.weight_bytes / bw)
+                 for j in range(output_len - 1))
+    wall = prefill + decode
+    return {"wall_s": wall, "prefill_s": prefill, "decode_s": decode,
+            "output_tok_s": n * output_len / wall,
+            "total_tok_s": n * (input_len + output_len) / wall}
+
+
+def cost_dict(cost: ModelCost) -> dict:
+    return asdict(cost) | {"weight_bytes": cost.weight_bytes}

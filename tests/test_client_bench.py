@@ -1,0 +1,38 @@
+"""Smoke test of `python -m client bench offline --quick` on the default model (no HF compare)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_offline_quick(tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    # passive: the suite's setting (conftest), so the CLI need not re-exec to change it
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "offline", "--quick", "--repeats", "1",
+         "--wait-policy", "passive", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.exists()
+    data = json.loads(out.read_text())
+    for key in ("config", "sizes", "info", "floor", "ours", "ratios", "report"):
+        assert key in data, key
+    assert "hf" not in data
+    a, b = data["ours"]["a"], data["ours"]["b"]
+    for k in ("ttft_s", "tpot_s", "e2e_s"):
+        assert a[k]["n"] == 1 and a[k]["median"] > 0
+    assert b["wall_s"] > 0 and b["output_tok_s"] > 0 and b["total_tok_s"] > b["output_tok_s"]
+    assert data["floor"]["rates"]["matmul_gflops"] > 0
+    assert data["floor"]["rates"]["read_bandwidth_gbs"] > 0
+    assert data["floor"]["a"]["ttft_s"] > 0 and data["floor"]["a"]["tpot_s"] > 0
+    assert data["info"]["omp_wait_policy"] == "PASSIVE"
+    names = [r["name"] for r in data["ratios"]]
+    assert len(names) == 5 and all(r["verdict"] in ("PASS", "MISS", "n/a") for r in data["ratios"])
+    assert "(a) concurrency 1" in proc.stdout and "(b) 8 requests" in proc.stdout

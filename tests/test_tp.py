@@ -1,0 +1,132 @@
+"""Tensor parallelism: same tokens and logits as TP 1, exact shared-memory collectives, no
+leaked worker processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+
+import numpy as np
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.engine.sequence import Sequence
+from backend.engine.step_inputs import build_step_inputs
+from backend.parallel.shm_comm import ShmCommunicator
+from tests.test_model_fidelity import SMOL_PROMPTS
+from tests.tiny_models import make_tiny_checkpoint
+
+
+def _prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, run through all ranks of the engine's group."""
+    eng = llm.engine
+    seq = Sequence("probe", list(token_ids), len(token_ids), SamplingParams(), 0)
+    assert eng.kv.allocate(seq, len(token_ids))
+    try:
+        inputs, _ = build_step_inputs([(seq, len(token_ids))], eng.kv.block_size)
+        inputs.logits_indices = np.arange(len(token_ids))
+        if eng.group is not None:
+            eng.group.broadcast(inputs)
+        return eng.runner.forward(inputs)
+    finally:
+        eng.kv.free(seq)
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] != "Z":
+                    alive.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return alive
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(default_model_dir):
+    with LLM(model=str(default_model_dir), kv_cache_memory_gb=0.1) as llm:
+        sp = SamplingParams(temperature=0, max_tokens=24)
+        tokens = [o.token_ids for o in llm.generate(SMOL_PROMPTS, sp)]
+        probe = llm.tokenizer.encode(SMOL_PROMPTS[2])
+        return tokens, probe, _prompt_logits(llm, probe)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
+    tokens, probe, logits = tp1_reference
+    llm = LLM(model=str(default_model_dir), tensor_parallel_size=tp, kv_cache_memory_gb=0.1)
+    pids = llm.engine.group.worker_pids
+    assert len(pids) == tp - 1 and len(_pids_alive(pids)) == tp - 1
+    try:
+        outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+        assert [o.token_ids for o in outs] == tokens
+        assert all(o.metrics["collective_s"] > 0 for o in outs)
+        ours = _prompt_logits(llm, probe)
+        rel = ((ours - logits).abs().max() / logits.abs().max()).item()
+        assert rel <= 1e-5, f"TP{tp} logits relative error {rel:.2e}"
+    finally:
+        llm.close()
+    assert _pids_alive(pids) == []
+
+
+def test_tiny_qwen2_qkv_bias_tp(tmp_path):
+    make_tiny_checkpoint("qwen2", tmp_path, num_heads=6, num_kv_heads=2)
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(model=str(tmp_path), num_kv_blocks=64, block_size=8) as ref:
+        want = [o.token_ids for o in ref.generate(prompts, sp)]
+        ref_logits = _prompt_logits(ref, prompts[0])
+    for tp in (2, 4):  # 6 heads over 4 ranks: uneven heads, KV heads shared across ranks
+        with LLM(model=str(tmp_path), tensor_parallel_size=tp, num_kv_blocks=64,
+                 block_size=8) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+            got = _prompt_logits(llm, prompts[0])
+            assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() <= 1e-5
+
+
+def _allreduce_worker(name, rank, world, sizes, seed, q):
+    comm = ShmCommunicator(name, rank, world, 4 * 5000, torch.float32, create=False)
+    results = []
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1000 * i + rank))
+        results.append(comm.all_reduce(x))
+    gathered = comm.gather_first(torch.full((3, rank + 1), float(rank)), [1, 2, 3][:world])
+    q.put((rank, [r.numpy() for r in results], gathered is None))
+    comm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shm_all_reduce_equals_sum(world):
+    sizes = [1, 7, 576, 4095, 5000, 3, 1000]
+    name = f"tpllm_test_{secrets.token_hex(4)}"
+    owner = ShmCommunicator(name, 0, world, 4 * 5000, torch.float32, create=True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(name, r, world, sizes, 7, q))
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    try:
+        mine = []
+        for i, n in enumerate(sizes):
+            mine.append(owner.all_reduce(torch.randn(n, generator=torch.Generator().manual_seed(
+                7 + 1000 * i))))
+        gathered = owner.gather_first(torch.zeros(3, 1), [1, 2, 3][:world])
+        others = dict((r, (res, none)) for r, res, none in (q.get(timeout=60) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+        owner.close(unlink=True)
+    for i, n in enumerate(sizes):
+        expect = sum(torch.randn(n, generator=torch.Generator().manual_seed(7 + 1000 * i + r))
+                     for r in range(world))
+        torch.testing.assert_close(mine[i], expect, rtol=1e-6, atol=1e-6)
+        for r in range(1, world):  # bit-identical on every rank
+            assert np.array_equal(others[r][0][i], mine[i].numpy())
+    assert all(none for _, none in others.values())
+    expect_g = torch.cat([torch.full((3, r + 1), float(r)) for r in range(world)], dim=1)
+    assert torch.equal(gathered, expect_g)
