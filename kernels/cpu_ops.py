@@ -1,0 +1,53 @@
+"""The CPU path: fused C++ kernels where they pay (decode attention, add+RMSNorm, SiLU-mul),
+the torch reference for everything else and for any input they don't cover (non-float32).
+Same names and signatures as kernels/reference.py, so dispatch is a namespace swap."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from kernels import reference as _ref
+from kernels.cpu_ext import load
+from kernels.metadata import DecodeBatch
+
+_ext = load()
+
+rms_norm = _ref.rms_norm
+rotary = _ref.rotary
+write_kv = _ref.write_kv
+prefill_attention = _ref.prefill_attention
+
+
+@lru_cache(maxsize=64)
+def _uniform_kv_index(num_q: int, num_kv: int) -> torch.Tensor:
+    return torch.arange(num_q) // (num_q // num_kv)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: DecodeBatch, scale: float,
+                     kv_index: torch.Tensor | None = None) -> torch.Tensor:
+    if q.dtype != torch.float32:
+        return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
+    if kv_index is None:
+        kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
+    return _ext.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
+                                       batch.context_lens, scale, kv_index)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x, x = rms_norm(residual); both inputs are consumed."""
+    if x.dtype != torch.float32 or not (x.is_contiguous() and residual.is_contiguous()):
+        return _ref.add_rms_norm(x, residual, weight, eps)
+    _ext.add_rms_norm_(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
+        return _ref.silu_mul(gate_up)
+    return _ext.silu_mul(gate_up)
+
+
+AVAILABLE = _ext is not None

@@ -1,0 +1,51 @@
+"""The fused C++ CPU kernels against their torch references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.metadata import DecodeBatch
+
+cpu_ops = pytest.importorskip("kernels.cpu_ops")
+pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="C++ CPU kernels not built here")
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1), (5, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention(hq, hkv, block_size):
+    g = torch.Generator().manual_seed(hq * 100 + hkv + block_size)
+    nb, d, b = 128, 40, 5
+    kc = torch.randn(nb, block_size, hkv, d, generator=g)
+    vc = torch.randn(nb, block_size, hkv, d, generator=g)
+    lens = torch.tensor([1, 7, block_size, 3 * block_size + 1, 50])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(nb, generator=g)[:b * width].view(b, width)
+    q = torch.randn(b, hq, d, generator=g)
+    kv_index = None
+    if hq % hkv:  # an uneven tensor-parallel split: explicit query -> KV head map
+        kv_index = torch.tensor([min(h * hkv // hq, hkv - 1) for h in range(hq)])
+    batch = DecodeBatch(tables, lens, int(lens.max()), block_size)
+    want = ref.decode_attention(q, kc, vc, batch, 0.3, kv_index)
+    got = cpu_ops.decode_attention(q, kc, vc, DecodeBatch(tables, lens, int(lens.max()),
+                                                          block_size), 0.3, kv_index)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_add_rms_norm_and_silu_mul(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, res, w = (torch.randn(rows, 97, generator=g), torch.randn(rows, 97, generator=g),
+                 torch.randn(97, generator=g))
+    want_x, want_res = ref.add_rms_norm(x, res, w, 1e-5)
+    got_x, got_res = cpu_ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(rows, 2 * 77, generator=g)
+    torch.testing.assert_close(cpu_ops.silu_mul(gu), ref.silu_mul(gu), rtol=1e-5, atol=1e-6)
+
+
+def test_non_float32_falls_back_to_reference():
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    torch.testing.assert_close(cpu_ops.silu_mul(torch.cat([x, x], -1)),
+                               ref.silu_mul(torch.cat([x, x], -1)))
