@@ -64,6 +64,7 @@ class AttentionMetadata:
     sin: torch.Tensor
     decode: DecodeBatch | None = None  # the first decode.size rows of the batch
     prefills: list[PrefillChunk] = field(default_factory=list)
+    num_padding: int = 0  # trailing rows after the prefill chunks that attend to nothing
 
     @property
     def num_decodes(self) -> int:

@@ -4,14 +4,19 @@ from __future__ import annotations
 from backend.engine.sequence import Sequence
 
 
+SCRATCH_BLOCK = 0  # never handed out: padding rows write their K/V here
+
+
 class KVCacheManager:
+    """Hands out blocks 1..num_blocks; the cache tensors hold num_blocks + 1 (block 0 scratch)."""
+
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # A stack: recently freed (cache-warm) blocks are reused first.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks, SCRATCH_BLOCK, -1))
 
     @property
     def num_free_blocks(self) -> int:

@@ -29,7 +29,7 @@ class LLM:
 
     @property
     def stats(self) -> dict:
-        return self.engine.stats.snapshot()
+        return {**self.engine.stats.snapshot(), "cold_path": self.engine.cold_path.snapshot()}
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.buckets import BucketPlan
+from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.kv_manager import KVCacheManager
@@ -20,7 +22,8 @@ from backend.engine.sampler import Sampler
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
-from backend.engine.step_inputs import build_step_inputs
+from backend.engine.step_inputs import StepInputs, build_step_inputs
+from backend.engine.warmup import warm_up
 from backend.engine.stats import EngineStats
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
@@ -99,15 +102,27 @@ class LLMEngine:
             self.close()
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.plan)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.stats = EngineStats()
-        log.info("engine ready in %.1fs: %s, %s, TP %d, %d KV blocks x %d tokens (%.2f GiB per "
-                 "rank), max_model_len %d, %d threads per rank", time.perf_counter() - t0,
+        self.cold_path = ColdPathCounter()
+        self.warm_shapes: set[tuple[str, int]] = set()
+        if config.warmup:
+            try:
+                self.stats.warmup_seconds = warm_up(self)
+            except BaseException:
+                self.close()
+                raise
+        self.cold_path.ready = True
+        log.info("engine ready in %.1fs (warmup %.1fs, %d buckets): %s, %s, TP %d, %d KV blocks "
+                 "x %d tokens (%.2f GiB per rank), max_model_len %d, %d threads per rank",
+                 time.perf_counter() - t0, self.stats.warmup_seconds, len(self.warm_shapes),
                  self.model_dir.name, config.dtype, tp, num_blocks, config.block_size,
                  self.runner.kv_cache_bytes / 2**30, self.max_model_len, torch.get_num_threads())
 
@@ -214,11 +229,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size)
+        inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
+        if inputs.shape_key not in self.warm_shapes:
+            self.cold_path.record("new_shape", str(inputs.shape_key))
+            self.warm_shapes.add(inputs.shape_key)
         comm0 = self._collective_seconds()
-        if self.group is not None:
-            self.group.broadcast(inputs)
-        logits = self.runner.forward(inputs)
+        logits = self.run_model(inputs)
         t1 = time.perf_counter()
         comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
@@ -234,6 +250,12 @@ class LLMEngine:
         self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
         return outputs
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward pass on every rank; logits (rank 0's) for inputs.logits_indices."""
+        if self.group is not None:
+            self.group.broadcast(inputs)
+        return self.runner.forward(inputs)
 
     def _collective_seconds(self) -> float:
         return self.group.comm.seconds if self.group is not None else 0.0

@@ -17,7 +17,7 @@ class ModelRunner:
         self.block_size = block_size
         self.rotary = RotaryTables(cfg, max_model_len, dtype)
         attn = model.layers[0].self_attn
-        shape = (num_blocks, block_size, attn.num_kv, cfg.head_dim)
+        shape = (num_blocks + 1, block_size, attn.num_kv, cfg.head_dim)  # + the scratch block
         # Allocated (and touched, so the OS commits it) once, at load.
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(cfg.num_layers)]
@@ -36,7 +36,8 @@ class ModelRunner:
         cos, sin = self.rotary.lookup(torch.from_numpy(inputs.positions))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(inputs.slot_mapping), cos=cos, sin=sin,
-            prefills=[PrefillChunk(s, n, c, torch.from_numpy(t)) for s, n, c, t in inputs.prefills])
+            prefills=[PrefillChunk(s, n, c, torch.from_numpy(t)) for s, n, c, t in inputs.prefills],
+            num_padding=inputs.num_padding)
         if inputs.decode_block_tables is not None:
             lens = torch.from_numpy(inputs.decode_context_lens)
             meta.decode = DecodeBatch(torch.from_numpy(inputs.decode_block_tables), lens,

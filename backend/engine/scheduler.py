@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from backend.engine.buckets import BucketPlan
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.sequence import Sequence, Status
 
@@ -25,8 +26,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 plan: BucketPlan | None = None):
         self.kv = kv
+        self.plan = plan
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Admission keeps a little headroom so running decodes rarely need to preempt.
@@ -85,7 +88,23 @@ class Scheduler:
                 bisect.insort(self.running, seq, key=lambda s: s.arrival)
                 scheduled[seq] = n
                 budget -= n
-        return SchedulerOutput(list(scheduled.items()), preempted)
+        out = list(scheduled.items())
+        if self.plan is not None:
+            self._trim_to_bucket(out)
+        return SchedulerOutput(out, preempted)
+
+    def _trim_to_bucket(self, out: list[tuple[Sequence, int]]) -> None:
+        """Shorten the last prompt chunk so the step's token count is exactly a bucket: the
+        tokens cut run next step, instead of this step computing padding."""
+        chunks = [i for i, (_, n) in enumerate(out) if n > 1]
+        if not chunks:
+            return
+        total = sum(n for _, n in out)
+        target = self.plan.bucket_at_most(total)
+        i = chunks[-1]
+        seq, n = out[i]
+        if target is not None and 0 < total - target < n - 1:  # keep >= 2: still a chunk
+            out[i] = (seq, n - (total - target))
 
     def _youngest_other(self, seq: Sequence) -> Sequence:
         """The preemption victim: the youngest running sequence younger than seq, else seq."""

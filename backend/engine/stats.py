@@ -14,6 +14,7 @@ class EngineStats:
     finished_requests: int = 0
     model_seconds: float = 0.0  # scheduling + input prep + forward
     sample_seconds: float = 0.0  # sampling + detokenization + stop checks
+    warmup_seconds: float = 0.0
     collective_seconds: float = 0.0  # part of model_seconds spent in TP collectives (rank 0)
     ttft_seconds: list[float] = field(default_factory=list, repr=False)
     e2e_seconds: list[float] = field(default_factory=list, repr=False)

@@ -1,7 +1,9 @@
 """A scheduled step as plain arrays: built once on rank 0, pickled to every other rank.
 
 Decodes (one token each) come first, then prefill chunks; logits are taken only at the last
-token of each sequence whose chunk reaches its end (it samples the next token).
+token of each sequence whose chunk reaches its end (it samples the next token). With a bucket
+plan the step is padded to its bucket: a decode-only step gets extra decode rows that attend to
+the scratch block, a step with prompt chunks gets trailing rows that attend to nothing.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backend.engine.buckets import BucketPlan
+from backend.engine.kv_manager import SCRATCH_BLOCK
 from backend.engine.sequence import Sequence
 
 
@@ -21,16 +25,24 @@ class StepInputs:
     decode_block_tables: np.ndarray | None = None  # [num_decodes, max_blocks], 0-padded
     decode_context_lens: np.ndarray | None = None  # [num_decodes]
     prefills: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # start, len, ctx, blocks
+    num_padding: int = 0  # trailing rows that attend to nothing (steps with prompt chunks)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def shape_key(self) -> tuple[str, int]:
+        """What warmup must have run for this step: the kind of step and its token count."""
+        return ("mixed" if self.prefills else "decode", self.num_tokens)
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]],
-                      block_size: int) -> tuple[StepInputs, list[Sequence]]:
+
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
+                      plan: BucketPlan | None = None) -> tuple[StepInputs, list[Sequence]]:
     decodes = [(s, n) for s, n in scheduled if n == 1]
     prefills = [(s, n) for s, n in scheduled if n > 1]
+    scratch = SCRATCH_BLOCK * block_size
+    pad_decodes = plan.decode_bucket(len(decodes)) - len(decodes) if plan and not prefills else 0
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -47,15 +59,26 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]],
         if c0 + n == seq.num_tokens:
             sampling.append(seq)
             logits_idx.append(len(ids) - 1)
+    _pad(ids, positions, slots, pad_decodes, scratch)  # decode-only: extra rows at the end
+    num_padding = plan.token_bucket(len(ids)) - len(ids) if plan and prefills else 0
+    _pad(ids, positions, slots, num_padding, scratch)
     inputs = StepInputs(np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                         np.asarray(slots, dtype=np.int64),
-                        np.asarray(logits_idx, dtype=np.int64), prefills=chunks)
-    if decodes:
-        width = max(len(s.block_table) for s, _ in decodes)
-        tables = np.zeros((len(decodes), width), dtype=np.int64)
+                        np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
+                        num_padding=num_padding)
+    if decodes or pad_decodes:
+        rows = len(decodes) + pad_decodes
+        width = max([len(s.block_table) for s, _ in decodes] + [1])
+        tables = np.full((rows, width), SCRATCH_BLOCK, dtype=np.int64)
+        lens = np.ones(rows, dtype=np.int64)  # padding rows see the one scratch slot
         for i, (s, _) in enumerate(decodes):
             tables[i, :len(s.block_table)] = s.block_table
-        inputs.decode_block_tables = tables
-        inputs.decode_context_lens = np.asarray([s.num_computed_tokens + 1 for s, _ in decodes],
-                                                dtype=np.int64)
+            lens[i] = s.num_computed_tokens + 1
+        inputs.decode_block_tables, inputs.decode_context_lens = tables, lens
     return inputs, sampling
+
+
+def _pad(ids: list[int], positions: list[int], slots: list[int], n: int, slot: int) -> None:
+    ids.extend([0] * n)
+    positions.extend([0] * n)
+    slots.extend([slot] * n)

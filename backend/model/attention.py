@@ -51,7 +51,8 @@ class Attention(nn.Module):
         if not meta.prefills:
             out = ops.decode_attention(q, k_cache, v_cache, meta.decode, self.scale, self.kv_index)
         else:
-            out = torch.empty_like(q)
+            # padding rows past the last chunk get no attention: zeros, not garbage
+            out = torch.zeros_like(q) if meta.num_padding else torch.empty_like(q)
             if n:
                 out[:n] = ops.decode_attention(q[:n], k_cache, v_cache, meta.decode, self.scale,
                                                self.kv_index)

@@ -1,0 +1,66 @@
+"""Runs every bucket of the plan through a full step (all TP ranks, then the sampler) before the
+engine reports ready, so the first real request pays for nothing the tenth does not."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from backend.engine.kv_manager import SCRATCH_BLOCK
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.engine.step_inputs import StepInputs
+
+log = logging.getLogger("backend.engine")
+
+# Exercise every sampler path: greedy, and random with every filter and penalty on.
+_PARAMS = (SamplingParams(temperature=0.0),
+           SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=0,
+                          repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1))
+
+
+def decode_step(rows: int) -> StepInputs:
+    """`rows` decode rows that all attend to the scratch block."""
+    z = np.zeros(rows, dtype=np.int64)
+    return StepInputs(z, z, z + SCRATCH_BLOCK, np.arange(rows),
+                      decode_block_tables=np.full((rows, 1), SCRATCH_BLOCK),
+                      decode_context_lens=np.ones(rows, dtype=np.int64))
+
+
+def mixed_step(tokens: int, num_blocks: int, block_size: int, max_len: int) -> StepInputs:
+    """A few decode rows plus one prompt chunk filling the rest of `tokens`. The chunk's blocks
+    cycle over the (still empty) pool: their contents do not matter, their shapes do."""
+    d = min(8, tokens // 2)
+    n = tokens - d
+    pos = np.arange(n) % max_len
+    table = 1 + np.arange(-(-n // block_size)) % num_blocks
+    slots = table[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
+    step = decode_step(d) if d else StepInputs(*(np.zeros(0, dtype=np.int64),) * 4)
+    return StepInputs(
+        np.concatenate([step.input_ids, np.zeros(n, dtype=np.int64)]),
+        np.concatenate([step.positions, pos]),
+        np.concatenate([step.slot_mapping, slots]),
+        np.concatenate([step.logits_indices, [tokens - 1]]).astype(np.int64),
+        step.decode_block_tables, step.decode_context_lens,
+        prefills=[(d, n, n, table.astype(np.int64))])
+
+
+@torch.inference_mode()
+def warm_up(engine) -> float:
+    """Run the plan; returns seconds. Registers every shape it ran as warm."""
+    t0 = time.perf_counter()
+    plan, kv = engine.plan, engine.kv
+    steps = [decode_step(b) for b in plan.decode_sizes]
+    steps += [mixed_step(t, kv.num_blocks, kv.block_size, engine.max_model_len)
+              for t in plan.token_sizes]
+    for i, step in enumerate(steps, 1):
+        logits = engine.run_model(step)
+        rows = [Sequence(f"warmup-{j}", [1, 2, 3], 2, _PARAMS[j % 2], j)
+                for j in range(logits.shape[0])]
+        engine.sampler(logits, rows)
+        engine.warm_shapes.add(step.shape_key)
+        if i % 8 == 0 or i == len(steps):
+            log.info("warmup: %d/%d buckets, %.1fs", i, len(steps), time.perf_counter() - t0)
+    return time.perf_counter() - t0

@@ -1,0 +1,73 @@
+"""Buckets known at load, every one warmed before ready, nothing new afterwards."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend import LLM, SamplingParams
+from backend.engine.buckets import BucketPlan
+from backend.engine.kv_manager import KVCacheManager
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence
+
+
+@pytest.mark.parametrize("seqs, tokens", [(64, 2048), (8, 64), (5, 100), (256, 8192), (1, 16)])
+def test_every_size_maps_to_a_bucket(seqs, tokens):
+    plan = BucketPlan.build(seqs, tokens)
+    for rows in range(1, min(seqs, tokens) + 1):
+        b = plan.decode_bucket(rows)
+        assert b in plan.decode_sizes and b >= rows
+        assert all(s < rows for s in plan.decode_sizes if s < b)  # the smallest that fits
+    for t in range(1, tokens + 1):
+        b = plan.token_bucket(t)
+        assert b in plan.token_sizes and b >= t and b <= tokens
+    assert plan.token_sizes[-1] == tokens and plan.num_buckets < 64
+
+
+def test_scheduler_trims_the_last_chunk_to_a_bucket():
+    plan = BucketPlan.build(8, 256)
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(kv, 8, 256, plan)
+    for i, n in enumerate((3, 100, 90)):
+        sched.add(Sequence(str(i), list(range(n)), n, SamplingParams(), i))
+    out = sched.schedule()
+    total = out.num_tokens
+    assert total in plan.token_sizes and total == 192  # 193 tokens wanted: trimmed by one
+    assert [n for _, n in out.scheduled] == [3, 100, 89]
+
+
+def _varied_workload(llm: LLM, seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(4):
+        prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 120))]
+                   for _ in range(rng.randrange(1, 12))]
+        params = [SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True,
+                                 temperature=rng.choice([0.0, 0.7]), top_p=rng.choice([1.0, 0.9]))
+                  for _ in prompts]
+        outs = llm.generate(prompts, params)
+        assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_warm"))
+
+
+def test_no_cold_path_after_ready(tiny):
+    llm = LLM(model=str(tiny), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=96)
+    plan = llm.engine.plan
+    assert len(llm.engine.warm_shapes) == plan.num_buckets
+    assert llm.stats["warmup_seconds"] > 0
+    _varied_workload(llm, seed=1)
+    assert llm.engine.cold_path.total == 0, llm.engine.cold_path.snapshot()
+    assert llm.stats["cold_path"] == {}
+
+
+def test_counter_sees_cold_shapes_without_warmup(tiny):
+    llm = LLM(model=str(tiny), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=96, warmup=False)
+    _varied_workload(llm, seed=1)
+    assert llm.engine.cold_path.snapshot().get("new_shape", 0) > 0
