@@ -7,6 +7,9 @@ import pytest
 # Tests run on a 2-core shared machine; spinning OpenMP threads starve each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Engines on the real model in tests: a small KV pool and step budget keep warmup short.
+SMALL_ENGINE = dict(kv_cache_memory_gb=0.1, max_num_batched_tokens=256, max_num_seqs=16)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir():
@@ -18,7 +21,7 @@ def default_model_dir():
 def smollm(default_model_dir):
     """One engine on the real default model, shared by the tests that only generate."""
     from backend import LLM
-    return LLM(model=str(default_model_dir), num_threads=2, kv_cache_memory_gb=0.25)
+    return LLM(model=str(default_model_dir), num_threads=2, **SMALL_ENGINE)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from backend import LLM, SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import build_step_inputs
 from backend.parallel.shm_comm import ShmCommunicator
+from tests.conftest import SMALL_ENGINE
 from tests.test_model_fidelity import SMOL_PROMPTS
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -48,7 +49,7 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp1_reference(default_model_dir):
-    with LLM(model=str(default_model_dir), kv_cache_memory_gb=0.1) as llm:
+    with LLM(model=str(default_model_dir), **SMALL_ENGINE) as llm:
         sp = SamplingParams(temperature=0, max_tokens=24)
         tokens = [o.token_ids for o in llm.generate(SMOL_PROMPTS, sp)]
         probe = llm.tokenizer.encode(SMOL_PROMPTS[2])
@@ -58,7 +59,7 @@ def tp1_reference(default_model_dir):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
     tokens, probe, logits = tp1_reference
-    llm = LLM(model=str(default_model_dir), tensor_parallel_size=tp, kv_cache_memory_gb=0.1)
+    llm = LLM(model=str(default_model_dir), tensor_parallel_size=tp, **SMALL_ENGINE)
     pids = llm.engine.group.worker_pids
     assert len(pids) == tp - 1 and len(_pids_alive(pids)) == tp - 1
     try:
