@@ -31,10 +31,27 @@ def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_offline")
 
 
+def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("tp", help="latency per TP degree and thread layout (seed 000)")
+    _runtime_args(p)
+    p.add_argument("--tp", default="1,2,4", help="TP degrees (default 1,2,4)")
+    p.add_argument("--threads-per-rank", default="auto",
+                   help="comma list, or 'auto': 1 per rank, plus TP1 with all cores")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pin", action="store_true", help="pin rank r to core r")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/tp-<ts>.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(runner="client.bench_tp")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench_cmd", required=True, metavar="{offline}")
+    bench = p.add_subparsers(dest="bench_cmd", required=True, metavar="{offline,tp}")
     _cmd_bench_offline(bench)
+    _cmd_bench_tp(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:
