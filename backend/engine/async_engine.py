@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Protocol
 
 from backend.engine.llm_engine import LLMEngine
@@ -83,6 +84,8 @@ class AsyncEngine:
             if not self._drain_commands():
                 break
             if not self.engine.has_unfinished():
+                if self.engine.needs_recovery:
+                    self._recover()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -91,8 +94,20 @@ class AsyncEngine:
             except Exception as e:  # a failed step fails its requests, never the thread
                 log.exception("engine step failed")
                 outputs = self.engine.abort_all("error", f"engine step failed: {e}")
+                self._route(outputs)
+                if self.engine.needs_recovery:
+                    self._recover()
+                continue
             self._route(outputs)
         self._route(self.engine.abort_all("abort", "the engine shut down"))
+
+    def _recover(self) -> None:
+        """A TP worker died: rebuild the group; requests arriving meanwhile wait in the queue."""
+        try:
+            self.engine.recover()
+        except Exception:
+            log.exception("rebuilding the tensor-parallel group failed; retrying in 5s")
+            time.sleep(5.0)
 
     def _drain_commands(self) -> bool:
         while True:

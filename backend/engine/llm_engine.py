@@ -133,16 +133,35 @@ class LLMEngine:
         vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))
         slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,
                                                   c.max_num_seqs * vocab_shard)
-        self.group = TPGroup(tp, slot_bytes, c.torch_dtype)
-        weakref.finalize(self, self.group.close)
-        self.group.launch(WorkerSpec(
+        self.group = TPGroup(WorkerSpec(
             rank=0, world=tp, store_port=0, shm_name="", slot_bytes=slot_bytes,
             model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
             block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
-            cpu=0 if c.pin_cpus else None))
+            cpu=0 if c.pin_cpus else None), c.torch_dtype)
+        weakref.finalize(self, self.group.close)
         if c.pin_cpus:
             os.sched_setaffinity(0, {0})
         return self.group.ctx
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A tensor-parallel worker died: the group must be rebuilt before the next step."""
+        return self.group is not None and not self.group.closed and not self.group.workers_alive()
+
+    def recover(self) -> None:
+        """Rebuild the TP group after a worker died. Requests in flight must have been failed
+        (abort_all) first; their blocks are free, the cache contents are never read again."""
+        t0 = time.perf_counter()
+        log.warning("rebuilding the tensor-parallel group")
+        self.group.restart()
+        if self.config.warmup:  # the new workers warm up too; not a cold path of serving
+            self.cold_path.ready = False
+            try:
+                warm_up(self)
+            finally:
+                self.cold_path.ready = True
+        self.stats.recoveries += 1
+        log.warning("tensor-parallel group rebuilt in %.1fs", time.perf_counter() - t0)
 
     def close(self) -> None:
         """Stop tensor-parallel workers (if any). The engine is unusable afterwards."""

@@ -15,6 +15,7 @@ class EngineStats:
     model_seconds: float = 0.0  # scheduling + input prep + forward
     sample_seconds: float = 0.0  # sampling + detokenization + stop checks
     warmup_seconds: float = 0.0
+    recoveries: int = 0  # tensor-parallel groups rebuilt after a worker died
     collective_seconds: float = 0.0  # part of model_seconds spent in TP collectives (rank 0)
     ttft_seconds: list[float] = field(default_factory=list, repr=False)
     e2e_seconds: list[float] = field(default_factory=list, repr=False)

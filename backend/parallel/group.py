@@ -60,39 +60,48 @@ def python_executable() -> str:
 
 
 class TPGroup:
-    def __init__(self, world: int, slot_bytes: int, dtype: torch.dtype):
-        self.world = world
+    def __init__(self, spec: WorkerSpec, dtype: torch.dtype):
+        """Start the group described by rank 0's `spec` (workers load their shards meanwhile)."""
+        self.spec, self.dtype = spec, dtype
+        self.world = spec.world
+        self.ctx = ParallelContext(0, spec.world, None)  # the model keeps this object for good
+        self.closed = True
+        self._start()
+
+    def _start(self) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
-        self._store = None
-        self.comm = ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, world,
-                                    slot_bytes, dtype, create=True,
+        self.comm = ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, self.world,
+                                    self.spec.slot_bytes, self.dtype, create=True,
                                     peers_alive=self.workers_alive)
-        self.ctx = ParallelContext(0, world, self.comm)
+        self.ctx.comm = self.comm
         self.closed = False
-
-    def launch(self, spec0: WorkerSpec) -> None:
-        """Spawn ranks 1..N-1 and form the process group (they load their shards meanwhile)."""
-        store = dist.TCPStore("127.0.0.1", 0, self.world, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
-        self._store = store
+        timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, wait_for_workers=False,
+                                    timeout=timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
         from backend.parallel.worker import worker_main
         for rank in range(1, self.world):
             parent, child = ctx.Pipe()
-            spec = WorkerSpec(**{**spec0.__dict__, "rank": rank, "store_port": store.port,
-                                 "shm_name": self.comm.name,
-                                 "cpu": None if spec0.cpu is None else rank % os.cpu_count()})
+            spec = WorkerSpec(**{**self.spec.__dict__, "rank": rank,
+                                 "store_port": self._store.port, "shm_name": self.comm.name,
+                                 "cpu": None if self.spec.cpu is None else rank % os.cpu_count()})
             proc = ctx.Process(target=worker_main, args=(spec, child, os.getpid()),
                                name=f"tpllm-rank{rank}", daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self.comm._fallback = dist.ProcessGroupGloo(
-            store, 0, self.world, datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
+        self.comm._fallback = dist.ProcessGroupGloo(self._store, 0, self.world, timeout)
         log.info("tensor-parallel group of %d formed (workers %s)", self.world, self.worker_pids)
+
+    def restart(self) -> None:
+        """Replace the workers (after one died): rank 0's model keeps its context object, which
+        gets the new communicator; the workers reload their shards."""
+        self.close()
+        self._start()
+        self.wait_ready()
 
     def wait_ready(self, timeout: float = _STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
