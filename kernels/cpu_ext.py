@@ -16,6 +16,9 @@ from pathlib import Path
 
 log = logging.getLogger("kernels")
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
+# where the arithmetic is the same
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
 
 
 def _cache_dir() -> Path:
@@ -26,7 +29,7 @@ def _cache_dir() -> Path:
     except (OSError, StopIteration):
         pass
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + flags.encode() +
-                         sys.version.encode()).hexdigest()[:16]
+                         sys.version.encode() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits
     # below backend/ and may not import it.
     root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
@@ -50,8 +53,8 @@ def load():
         log.info("building the C++ CPU kernels (one time) in %s", build_dir)
     try:
         return cpp_extension.load(name="tpllm_cpu_kernels", sources=[str(_SOURCE)],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                                  build_directory=str(build_dir), verbose=False)
+                                  extra_cflags=_CFLAGS, build_directory=str(build_dir),
+                                  verbose=False)
     except Exception as e:  # no compiler / headers: the torch path still works
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference path",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -1,6 +1,7 @@
 """The CPU path: fused C++ kernels where they pay (decode attention, add+RMSNorm, SiLU-mul),
 the torch reference for everything else and for any input they don't cover (non-float32).
 Same names and signatures as kernels/reference.py, so dispatch is a namespace swap."""
+# C++: decode attention, add+RMSNorm, SiLU-mul, rotary fused with the KV-cache write
 from __future__ import annotations
 
 from functools import lru_cache
@@ -33,6 +34,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
     return _ext.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
                                        batch.context_lens, scale, kv_index)
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
+                    num_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place in qkv (rotated q and k are views into it)."""
+    if qkv.dtype != torch.float32 or not qkv.is_contiguous():
+        return _ref.rotary_write_kv(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping)
+    _ext.rotary_write_kv_(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping)
+    t, d = qkv.shape[0], cos.shape[-1]
+    x = qkv.view(t, num_q + 2 * num_kv, d)
+    return x[:, :num_q], x[:, num_q:num_q + num_kv], x[:, num_q + num_kv:]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

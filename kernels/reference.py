@@ -43,6 +43,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
 
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
+                    num_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused qkv projection [T, (Hq + 2 Hkv) D] into q, k, v ([T, H, D] each), rotate
+    q and k (adjacent in qkv: one call) and store k, v in the paged cache."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    qk = rotary(qkv[:, :(num_q + num_kv) * d].view(t, num_q + num_kv, d), cos, sin)
+    q, k = qk[:, :num_q], qk[:, num_q:]
+    v = qkv[:, (num_q + num_kv) * d:].view(t, num_kv, d)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k, v
+
+
 def _heads_first(x: torch.Tensor, kv_index: torch.Tensor | None) -> torch.Tensor:
     """[..., L, Hkv, D] -> [..., H, L, D]; uneven GQA splits (TP) expand KV per query head."""
     x = x.transpose(-3, -2)

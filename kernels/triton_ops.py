@@ -12,5 +12,15 @@ from kernels.triton_rotary import rotary
 
 NAME = "triton"
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rotary", "write_kv", "decode_attention",
+
+def rotary_write_kv(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping):
+    """Same contract as kernels.reference.rotary_write_kv, with the Triton rotary (in place)."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    qk = rotary(qkv[:, :(num_q + num_kv) * d].view(t, num_q + num_kv, d), cos, sin)
+    v = qkv[:, (num_q + num_kv) * d:].view(t, num_kv, d)
+    write_kv(qk[:, num_q:], v, k_cache, v_cache, slot_mapping)
+    return qk[:, :num_q], qk[:, num_q:], v
+
+__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rotary", "rotary_write_kv", "write_kv",
+           "decode_attention",
            "prefill_attention", "prefill_attention_varlen"]

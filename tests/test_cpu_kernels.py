@@ -49,3 +49,19 @@ def test_non_float32_falls_back_to_reference():
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     torch.testing.assert_close(cpu_ops.silu_mul(torch.cat([x, x], -1)),
                                ref.silu_mul(torch.cat([x, x], -1)))
+
+
+@pytest.mark.parametrize("tokens, hq, hkv", [(1, 9, 3), (37, 4, 4), (5, 8, 1)])
+def test_rotary_write_kv(tokens, hq, hkv):
+    g = torch.Generator().manual_seed(tokens)
+    d, nb, bs = 32, 16, 4
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    ang = torch.rand(tokens, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    caches = [torch.zeros(nb, bs, hkv, d) for _ in range(4)]
+    want = ref.rotary_write_kv(qkv.clone(), cos, sin, hq, hkv, caches[0], caches[1], slots)
+    got = cpu_ops.rotary_write_kv(qkv.clone(), cos, sin, hq, hkv, caches[2], caches[3], slots)
+    for w, o in zip(want, got):
+        assert torch.equal(w, o)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

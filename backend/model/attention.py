@@ -40,13 +40,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t, d, hq, hkv, ops = x.shape[0], self.head_dim, self.num_q, self.num_kv, self.ops
-        qkv = self.qkv_proj(x)
-        # q and k are adjacent in the qkv output: rotate them in one call (Triton: in place)
-        qk = ops.rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), meta.cos, meta.sin)
-        q, k = qk[:, :hq], qk[:, hq:]
-        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         k_cache, v_cache = kv_cache
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, k, v = ops.rotary_write_kv(self.qkv_proj(x), meta.cos, meta.sin, hq, hkv, k_cache,
+                                      v_cache, meta.slot_mapping)
         n = meta.num_decodes
         if not meta.prefills:
             out = ops.decode_attention(q, k_cache, v_cache, meta.decode, self.scale, self.kv_index)

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -128,7 +129,45 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// qkv [T, (Hq + 2*Hkv) * D] contiguous: rotate the q and k heads in place (neox halves layout,
+// cos/sin [T, D] with duplicated halves), then store k and v rows at their cache slots.
+void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
+                      int64_t Hkv, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor slot_mapping) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "rotary_write_kv_: contiguous float32 only");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2, W = qkv.size(1);
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  auto slots = slot_mapping.contiguous();
+  const int64_t* slp = slots.data_ptr<int64_t>();
+  const int64_t row = Hkv * D;  // one token's K (or V) in the cache
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* x = xp + t * W;
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {
+        float* v = x + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] + (-x2) * s[i];
+          v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+      std::memcpy(kc + slp[t] * row, x + Hq * D, row * sizeof(float));
+      std::memcpy(vc + slp[t] * row, x + (Hq + Hkv) * D, row * sizeof(float));
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_mul", &silu_mul);
