@@ -3,7 +3,7 @@
 `select_ops(device)` returns the namespace the model calls (rms_norm, add_rms_norm, silu_mul,
 rotary, write_kv, decode_attention, prefill_attention; same signatures in both):
   - kernels.cpu_ops for CPU: fused C++ kernels (kernels/csrc) for decode attention,
-    add+RMSNorm and SiLU-mul, the torch reference for the rest; the torch reference alone when
+    add+RMSNorm and rotary+KV-cache write, the torch reference for the rest; the torch reference alone when
     the C++ kernels cannot be built here;
   - kernels.triton_ops (OpenAI Triton) for CUDA.
 The model asks once, at construction, and keeps the namespace: no per-call dispatch.

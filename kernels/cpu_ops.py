@@ -1,7 +1,6 @@
-"""The CPU path: fused C++ kernels where they pay (decode attention, add+RMSNorm, SiLU-mul),
+"""The CPU path: fused C++ kernels where they pay (decode attention, add+RMSNorm, rotary+KV write),
 the torch reference for everything else and for any input they don't cover (non-float32).
 Same names and signatures as kernels/reference.py, so dispatch is a namespace swap."""
-# C++: decode attention, add+RMSNorm, SiLU-mul, rotary fused with the KV-cache write
 from __future__ import annotations
 
 from functools import lru_cache
@@ -15,9 +14,13 @@ from kernels.metadata import DecodeBatch
 _ext = load()
 
 rms_norm = _ref.rms_norm
+silu_mul = _ref.silu_mul  # torch's vectorized exp beats a scalar C++ loop here
 rotary = _ref.rotary
 write_kv = _ref.write_kv
 prefill_attention = _ref.prefill_attention
+
+
+_CPP_DECODE_MAX_BATCH = 16
 
 
 @lru_cache(maxsize=64)
@@ -28,7 +31,10 @@ def _uniform_kv_index(num_q: int, num_kv: int) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: DecodeBatch, scale: float,
                      kv_index: torch.Tensor | None = None) -> torch.Tensor:
-    if q.dtype != torch.float32:
+    # The C++ kernel wins where per-op overhead dominates (small batches); at larger batches the
+    # bulk gather + fused SDPA reads the cache faster (measured: B=1 0.05 vs 0.09 ms per layer,
+    # B=64 in a full step 10 ms per step slower per 4 layers).
+    if q.dtype != torch.float32 or q.shape[0] > _CPP_DECODE_MAX_BATCH:
         return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
     if kv_index is None:
         kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
@@ -55,12 +61,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return _ref.add_rms_norm(x, residual, weight, eps)
     _ext.add_rms_norm_(x, residual, weight, eps)
     return x, residual
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
-        return _ref.silu_mul(gate_up)
-    return _ext.silu_mul(gate_up)
 
 
 AVAILABLE = _ext is not None

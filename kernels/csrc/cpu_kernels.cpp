@@ -107,28 +107,6 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   });
 }
 
-// [N, 2F] -> [N, F]: silu(gate) * up
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32,
-              "silu_mul: contiguous float32 only");
-  const int64_t F = gate_up.size(-1) / 2, N = gate_up.numel() / (2 * F);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = F;
-  auto out = torch::empty(sizes, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * F;
-      const float* u = g + F;
-      float* o = op + r * F;
-#pragma omp simd
-      for (int64_t i = 0; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return out;
-}
-
 // qkv [T, (Hq + 2*Hkv) * D] contiguous: rotate the q and k heads in place (neox halves layout,
 // cos/sin [T, D] with duplicated halves), then store k and v rows at their cache slots.
 void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
@@ -170,5 +148,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
-  m.def("silu_mul", &silu_mul);
 }
