@@ -57,6 +57,8 @@ class ShmCommunicator:
         self._fallback = fallback
         self._peers_alive = peers_alive
         self._timeout_s = timeout_s
+        # More ranks than cores: a spinning rank would hold the core its peer needs; yield at once.
+        self._spins = _SPINS_BEFORE_YIELD if world <= (os.cpu_count() or 1) else 0
         self.seconds = 0.0  # time spent inside collectives (waiting included)
         self.calls = 0
 
@@ -106,7 +108,7 @@ class ShmCommunicator:
         spins = 0
         while (flags < seq).any():
             spins += 1
-            if spins < _SPINS_BEFORE_YIELD:
+            if spins < self._spins:
                 continue
             os.sched_yield()
             if spins % 512 == 0:
