@@ -6,7 +6,9 @@
 Finds `tritonserver` (on PATH, as in NVIDIA's container, else the one shipped in the
 nvidia-pytriton wheel), prepares a Python-backend directory whose stub matches the running Python
 (under $TPLLM_CACHE_DIR or ~/.cache/tp-llm, never inside the venv), sets the environment the stub
-needs and replaces this process with the server (signals go straight to it).
+needs and runs the server as its child: SIGINT/SIGTERM are forwarded to it and to its
+Python-backend stubs (so in-flight streams end and the models unload cleanly, see
+backend/triton/shutdown.py); the exit status is the server's.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import argparse
 import importlib.util
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -101,6 +105,43 @@ def server_env(dist: Path | None) -> dict[str, str]:
     return env
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(x) for x in task.read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies (no orphaned server)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def run_server(cmd: list[str], env: dict[str, str]) -> int:
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        for pid in [proc.pid, *_children(proc.pid)]:  # the server and its stubs
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, forward)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # pragma: no cover - handlers replace the default
+            continue
+
+
 def build_command(args: argparse.Namespace, server: Path, backend_dir: Path | None) -> list[str]:
     cmd = [str(server), "--model-repository", str(Path(args.model_repository).resolve()),
            "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
@@ -120,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--exit-timeout-secs", type=int, default=10,
-                   help="on SIGINT/SIGTERM, how long in-flight requests may finish (default 10)")
+    p.add_argument("--exit-timeout-secs", type=int, default=15,
+                   help="on SIGINT/SIGTERM, how long the server waits for models to unload; "
+                        "in-flight requests may finish for this minus 3 s (default 15)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the command and environment")
     p.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
@@ -136,13 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     server, dist = find_tritonserver()
     backend_dir = prepare_backend_dir(server, dist)
     env = server_env(dist)
+    env["TPLLM_SHUTDOWN_GRACE_SECS"] = str(max(0, args.exit_timeout_secs - 3))
     cmd = build_command(args, server, backend_dir)
     print("serve: " + " ".join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
         for k in ("LD_LIBRARY_PATH", "PATH", "TPLLM_PYTHON", "LC_ALL", "OMP_WAIT_POLICY"):
             print(f"  {k}={env[k]}", file=sys.stderr)
         return
-    os.execve(cmd[0], cmd, env)
+    sys.exit(run_server(cmd, env))
 
 
 if __name__ == "__main__":

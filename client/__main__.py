@@ -47,11 +47,27 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_tp")
 
 
+def _cmd_bench_coldstart(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("coldstart", help="first run after start vs later runs (seed 004)")
+    p.add_argument("--threads", type=int, default=2, help="num_threads of the served engine")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--ratio", type=float, default=0.5, help="lengths uniform in [ratio*L, L]")
+    p.add_argument("--warm-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 8, 32], help="warm-up batch sizes (default 1,8,32)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/coldstart-<ts>.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(runner="client.bench_coldstart")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench_cmd", required=True, metavar="{offline,tp}")
+    bench = p.add_subparsers(dest="bench_cmd", required=True,
+                             metavar="{offline,tp,coldstart}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
+    _cmd_bench_coldstart(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ import pytest
 from backend.engine.outputs import RequestOutput
 from backend.triton.model_config import check_transaction_policy, parse_parameters
 from backend.triton.request import parse_messages, parse_request
-from backend.triton.response import StreamState, record_tokens, tensors_for
+from backend.triton.response import StreamState, mean_itl, record_tokens, tensors_for
 
 
 def b(s):
@@ -142,9 +142,11 @@ def test_return_flag_true_on_every_response_and_requested_outputs():
 def test_token_timing():
     s = _state(stream=True)
     s.arrival = 1.0
-    assert record_tokens(s, _out("a", 1), 1.5) == (0.5, [])
-    ttft, gaps = record_tokens(s, _out("bc", 3), 2.5)
-    assert ttft is None and gaps == [0.5, 0.5]
+    assert mean_itl(s) is None
+    assert record_tokens(s, _out("a", 1), 1.5) == 0.5
+    assert record_tokens(s, _out("", 1), 1.7) is None  # no new token
+    assert record_tokens(s, _out("bc", 3), 2.5) is None
+    assert mean_itl(s) == 0.5
 
 
 def test_model_config_parameters():

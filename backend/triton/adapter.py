@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from backend.triton.model_config import check_transaction_policy, parse_paramete
 from backend.triton.placement import compute_placement, count_visible_gpus, cuda_visible_devices
 from backend.triton.request import ALL_INPUTS, parse_request, render_chat
 from backend.triton.response import StreamState
+from backend.triton.shutdown import grace_seconds, watch_signals
 
 log = logging.getLogger("backend.triton")
 
@@ -66,14 +68,14 @@ class TritonLLMModel:
         if model and not os.path.isabs(os.path.expanduser(model)):  # relative to the model dir
             engine_kwargs["model"] = str(Path(args["model_repository"]).resolve() / model)
         _fix_executable()
+        # The engine thread runs Python between torch ops; with the default 5 ms switch interval
+        # the response thread may wait that long for the GIL after each IPC (send, metrics).
+        sys.setswitchinterval(float(os.environ.get("TPLLM_SWITCH_INTERVAL", "0.001")))
         log.info("loading %s (%s): %s", name, placement.describe(),
                  ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) or "defaults")
 
-        from backend.engine.async_engine import AsyncEngine
         from backend.engine.config import EngineConfig
         from backend.engine.llm_engine import LLMEngine
-        from backend.triton.metrics import Metrics, NullMetrics, engine_snapshot
-        from backend.triton.responder import Responder
         try:
             cfg = EngineConfig(**engine_kwargs)
             if placement.device == "cuda" and hasattr(cfg, "device"):
@@ -81,17 +83,30 @@ class TritonLLMModel:
             self.llm = LLMEngine(cfg)
         except Exception as e:
             raise RuntimeError(f"{name}: cannot load the engine: {e}") from e
-        self.tokenizer = self.llm.tokenizer
-        self.engine = AsyncEngine(self.llm)
-        labels = {"model": name, "version": str(args.get("model_version", "")),
-                  "instance": instance}
-        self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
-        self.responder = Responder(pb, self.engine, self.metrics,
-                                   snapshot=lambda: engine_snapshot(self.llm))
+        try:
+            self._start(pb, name, args, opts)
+        except BaseException:
+            self.llm.close()  # no orphaned tensor-parallel workers
+            raise
         self._ids = itertools.count()
         self._prefix = f"{instance}-{os.getpid()}"
         self._stopping = False
-        log.info("%s ready in %.1fs (%s)", name, time.perf_counter() - t0, placement.describe())
+        watch_signals(self._on_signal)
+        log.info("%s ready in %.1fs (%s; pid %d, engine thread %s, response thread %s)", name,
+                 time.perf_counter() - t0, placement.describe(), os.getpid(),
+                 self.engine._thread.native_id, self.responder._thread.native_id)
+
+    def _start(self, pb, name: str, args: dict, opts) -> None:
+        from backend.engine.async_engine import AsyncEngine
+        from backend.triton.metrics import Metrics, NullMetrics, engine_snapshot
+        from backend.triton.responder import Responder
+        self.tokenizer = self.llm.tokenizer
+        self.engine = AsyncEngine(self.llm)
+        labels = {"model": name, "version": str(args.get("model_version", "")),
+                  "instance": args["model_instance_name"]}
+        self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
+        self.responder = Responder(pb, self.engine, self.metrics,
+                                   snapshot=lambda: engine_snapshot(self.llm))
 
     # ---- requests ---------------------------------------------------------------------------
     def execute(self, requests) -> None:
@@ -138,6 +153,25 @@ class TritonLLMModel:
         self.responder.send_error(sender, message, getattr(self.pb.TritonError, "INVALID_ARG", None))
 
     # ---- unload -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int) -> None:
+        """The server is stopping: refuse new requests, let in-flight ones finish for the grace
+        period, then end them with an error, so Triton can unload the model (-> finalize)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        grace = grace_seconds()
+        log.info("signal %d: draining %d request(s) for up to %.0fs", signum,
+                 len(self.responder.active), grace)
+
+        def drain():
+            deadline = time.monotonic() + grace
+            while self.responder.active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            n = self.responder.abort_all("request aborted: the server is shutting down")
+            if n:
+                log.info("aborted %d request(s) still in flight", n)
+        threading.Thread(target=drain, name="drain", daemon=True).start()
+
     def finalize(self) -> None:
         self._stopping = True
         n = len(self.responder.active)
@@ -145,4 +179,4 @@ class TritonLLMModel:
         self.engine.shutdown()  # in-flight requests get a final 'abort' output with an error
         self.responder.stop()
         self.llm.close()  # tensor-parallel workers
-        log.info("unloaded")
+        log.info("unloaded; %s", self.responder.delivery_summary())

@@ -1,8 +1,8 @@
 """Custom Triton metrics of one replica (served on Triton's metrics port, Prometheus text format).
 
 All carry the labels model, version and instance. `pb` is triton_python_backend_utils (a fake in
-unit tests); each metric call is an IPC to the server (~15 us), so gauges and engine counters are
-refreshed from a snapshot at most every `interval` seconds, never per token.
+unit tests); each metric call is an IPC to the server (~15 us), so nothing is observed per token:
+latencies once per request, gauges and engine counters from a snapshot every `interval` seconds.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 
 HISTOGRAMS = {
     "llm_time_to_first_token_seconds": ("Time from request arrival to its first token", TTFT_BUCKETS),
-    "llm_inter_token_latency_seconds": ("Time between consecutive output tokens", ITL_BUCKETS),
+    "llm_inter_token_latency_seconds": ("Mean time between consecutive output tokens of a "
+                                        "request (observed once per request)", ITL_BUCKETS),
     "llm_e2e_request_latency_seconds": ("Time from request arrival to its final response", E2E_BUCKETS),
 }
 COUNTERS = {
@@ -25,6 +26,7 @@ COUNTERS = {
     "llm_engine_steps_total": "Engine steps (one forward pass each)",
     "llm_engine_sampled_tokens_total": "Tokens sampled by the engine (per-step batch sizes summed)",
     "llm_preemptions_total": "Sequences preempted for lack of KV blocks",
+    "llm_cold_path_events_total": "Work after READY that warmup should have done (steady state: 0)",
 }
 GAUGES = {
     "llm_num_requests_running": "Requests in the running batch",
@@ -64,10 +66,8 @@ class Metrics:
     def observe_ttft(self, seconds: float) -> None:
         self.hist["llm_time_to_first_token_seconds"].observe(seconds)
 
-    def observe_itl(self, gaps: list[float]) -> None:
-        h = self.hist["llm_inter_token_latency_seconds"]
-        for g in gaps:
-            h.observe(g)
+    def observe_itl(self, seconds: float) -> None:
+        self.hist["llm_inter_token_latency_seconds"].observe(seconds)
 
     def request_finished(self, reason: str, e2e: float | None, prompt_tokens: int,
                          output_tokens: int) -> None:
@@ -98,7 +98,8 @@ class Metrics:
                 self._last_gauges[name] = v
         for key, name in (("steps", "llm_engine_steps_total"),
                           ("sampled_tokens", "llm_engine_sampled_tokens_total"),
-                          ("preemptions", "llm_preemptions_total")):
+                          ("preemptions", "llm_preemptions_total"),
+                          ("cold_path", "llm_cold_path_events_total")):
             v = snapshot.get(key)
             if v is None:
                 continue
@@ -112,7 +113,7 @@ class NullMetrics:
     """enable_metrics false: the same interface, no effect."""
 
     def observe_ttft(self, seconds): pass
-    def observe_itl(self, gaps): pass
+    def observe_itl(self, seconds): pass
     def request_finished(self, reason, e2e, prompt_tokens, output_tokens): pass
     def refresh(self, snapshot, force=False): pass
 
@@ -128,4 +129,5 @@ def engine_snapshot(engine) -> dict[str, float]:
         "llm_kv_cache_blocks_total": kv.num_blocks,
         "steps": stats.steps, "sampled_tokens": stats.sampled_tokens,
         "preemptions": stats.preemptions,
+        "cold_path": cold.total if (cold := getattr(engine, "cold_path", None)) else None,
     }

@@ -20,6 +20,7 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "max_num_batched_tokens": (int, "max_num_batched_tokens"),
     "max_model_len": (int, "max_model_len"),
     "seed": (int, "seed"),
+    "warmup": (bool, "warmup"),
 }
 ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "log_level": str}
 

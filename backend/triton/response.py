@@ -29,6 +29,7 @@ class StreamState:
     last_token_time: float | None = None
     num_output_tokens: int = 0
     cancelled: bool = False
+    abort_error: str | None = None  # set when the server aborts it (shutdown)
     last_cancel_check: float = 0.0
 
 
@@ -73,18 +74,20 @@ def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
     return d
 
 
-def record_tokens(state: StreamState, out: RequestOutput, now: float) -> tuple[float | None, list[float]]:
-    """Updates the timing of `state`; returns (ttft if this is the first token, inter-token gaps)."""
-    n = out.num_output_tokens - state.num_output_tokens
-    if n <= 0:
-        return None, []
+def record_tokens(state: StreamState, out: RequestOutput, now: float) -> float | None:
+    """Updates the token timing of `state`; returns the TTFT when `out` brings the first token."""
+    if out.num_output_tokens <= state.num_output_tokens:
+        return None
     state.num_output_tokens = out.num_output_tokens
-    ttft, gaps = None, []
+    state.last_token_time = now
     if state.first_token_time is None:
         state.first_token_time = now
-        ttft = now - state.arrival
-        n -= 1
-    if n > 0 and state.last_token_time is not None:
-        gaps = [(now - state.last_token_time) / n] * n
-    state.last_token_time = now
-    return ttft, gaps
+        return now - state.arrival
+    return None
+
+
+def mean_itl(state: StreamState) -> float | None:
+    """The request's mean inter-token latency (genai-perf's definition), None below 2 tokens."""
+    if state.first_token_time is None or state.num_output_tokens < 2:
+        return None
+    return (state.last_token_time - state.first_token_time) / (state.num_output_tokens - 1)

@@ -1,155 +1,14 @@
-"""Fixtures that run the real tritonserver (via `python -m backend.serve`) on free ports with a
-temporary copy of model_repository/ (parameters overridden), and always kill it at teardown."""
+"""Fixtures that run the real tritonserver (via `python -m backend.serve`, see client/server.py)
+on free ports with a temporary copy of model_repository/ (parameters overridden), and always
+kill it at teardown."""
 from __future__ import annotations
-
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = float(os.environ.get("TPLLM_TEST_SERVER_TIMEOUT", "240"))
+from client.server import ROOT, Server, free_ports, make_repo  # noqa: F401 (used by tests)
 # Small pools and one thread per replica keep the shared 2-core machine responsive.
 BASE_PARAMS = {"kv_cache_memory_gb": "0.125", "max_num_seqs": "16", "num_threads": "2"}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def make_repo(dest: Path, params: dict[str, str], count: int = 1) -> Path:
-    """A copy of model_repository/ with `params` and the instance count replaced."""
-    shutil.copytree(ROOT / "model_repository", dest,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = dest / "llm" / "config.pbtxt"
-    text = cfg.read_text()
-    for key, value in params.items():
-        pat = re.compile(r'(parameters \{ key: "%s" value: \{ string_value: )"[^"]*"' % key)
-        text, n = pat.subn(r'\1"%s"' % value, text)
-        if not n:
-            text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-    text, n = re.subn(r"count: \d+ kind: KIND_CPU", f"count: {count} kind: KIND_CPU", text)
-    assert n == 1
-    cfg.write_text(text)
-    return dest
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except OSError:
-        return 0, ""
-
-
-class Server:
-    def __init__(self, repo: Path, log_path: Path, extra: list[str] = ()):
-        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "backend.serve", "--model-repository", str(repo),
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-               "--metrics-port", str(self.metrics_port), *extra]
-        self._log = open(log_path, "wb")
-        # Own session: the launcher execs tritonserver, whose stubs share its process group.
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.pgid = self.proc.pid
-
-    @property
-    def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
-
-    def log(self, tail: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-tail:]
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log()}")
-            if _get(f"http://{self.http_url}/v2/models/llm/ready", 2)[0] == 200:
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log()}")
-
-    def ready(self) -> bool:
-        return _get(f"http://{self.http_url}/v2/models/llm/ready", 5)[0] == 200
-
-    def metrics(self) -> dict[str, float]:
-        """{'name{labels}': value} of the llm_* metrics."""
-        status, text = _get(f"http://localhost:{self.metrics_port}/metrics")
-        assert status == 200
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("llm_"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
-
-    def metric(self, name: str, **labels) -> float:
-        """Sum of `name` over the series matching `labels`."""
-        total = 0.0
-        for key, v in self.metrics().items():
-            base, _, lab = key.partition("{")
-            if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
-                total += v
-        return total
-
-    def wait_metric(self, name: str, pred, timeout: float = 10.0, **labels) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            v = self.metric(name, **labels)
-            if pred(v) or time.monotonic() > deadline:
-                return v
-            time.sleep(0.1)
-
-    def group_alive(self) -> list[int]:
-        """pids still in the server's process group."""
-        pids = []
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    if os.getpgid(int(p.name)) == self.pgid:
-                        pids.append(int(p.name))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        return pids
-
-    def stop(self, sig=signal.SIGINT, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(sig)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)  # stubs or a hung server: never leave them
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._log.close()
+NO_WARMUP = {"warmup": "false"}  # servers that test placement/shutdown, not step shapes
 
 
 @pytest.fixture(scope="session")
@@ -173,7 +32,7 @@ def start_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(start_server):
-    """The shared one-replica server."""
+    """The shared one-replica server (warmed up, as served)."""
     return start_server("shared")
 
 
@@ -181,21 +40,22 @@ def server(start_server):
 def offline():
     """The engine in this process, with the shared server's settings: the greedy reference."""
     from backend import LLM
-    llm = LLM(num_threads=2, kv_cache_memory_gb=0.125, max_num_seqs=16)
+    llm = LLM(num_threads=2, kv_cache_memory_gb=0.125, max_num_seqs=16, warmup=False)
     yield llm
     llm.close()
 
 
 @pytest.fixture(scope="session")
 def greedy(offline):
-    """greedy(prompt, max_tokens) -> the offline text (cached)."""
+    """greedy(prompt, max_tokens, ignore_eos=False) -> the offline text (cached)."""
     from backend import SamplingParams
     cache: dict = {}
 
-    def run(prompt: str, max_tokens: int) -> str:
-        key = (prompt, max_tokens)
+    def run(prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
+        key = (prompt, max_tokens, ignore_eos)
         if key not in cache:
-            out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))
+            out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                            ignore_eos=ignore_eos))
             cache[key] = out[0].text
         return cache[key]
     return run

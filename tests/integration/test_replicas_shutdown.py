@@ -1,0 +1,91 @@
+"""instance_group count: 2 serves from two replicas; SIGINT with streams in flight ends every
+stream (final response or error) and leaves no process behind."""
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+
+import pytest
+
+from client.generate import generate, grpc_inputs
+from tests.integration.conftest import BASE_PARAMS, NO_WARMUP, Server, make_repo
+
+pytestmark = pytest.mark.integration
+
+
+def test_two_replicas_serve(start_server, greedy):
+    srv = start_server("replicas", params={"num_threads": "1", **NO_WARMUP}, count=2)
+    prompts = [f"Count with me: {i}, {i + 1}," for i in range(8)]
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        results[i] = generate({"text_input": prompts[i], "max_tokens": 12, "temperature": 0.0,
+                               "stream": True}, "grpc", srv.grpc_url)["text"]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results == [greedy(p, 12) for p in prompts]
+    per_instance = {inst: srv.wait_metric("llm_requests_total", lambda v: v > 0, timeout=5,
+                                          instance=inst)
+                    for inst in ("llm_0_0", "llm_0_1")}
+    assert all(v > 0 for v in per_instance.values()), per_instance
+    assert sum(per_instance.values()) == len(prompts)
+    srv.stop()
+    assert srv.group_alive() == []
+
+
+def test_sigint_with_streams_in_flight(start_server):
+    srv = start_server("sigint", params=NO_WARMUP, extra=["--exit-timeout-secs", "5"])
+    import tritonclient.grpc as grpcclient
+    endings: list = []
+    clients = []
+    for i in range(3):
+        q: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(srv.grpc_url)
+        c.start_stream(callback=lambda result, error, q=q: q.put((result, error)))
+        c.async_stream_infer("llm", grpc_inputs(
+            {"text_input": f"Story number {i}:", "max_tokens": 800, "ignore_eos": True,
+             "stream": True, "temperature": 0.0}), enable_empty_final_response=True)
+        clients.append((c, q))
+    for _, q in clients:  # every stream is producing
+        result, error = q.get(timeout=60)
+        assert error is None, (error.status(), error.message(), srv.log())
+    srv.proc.send_signal(signal.SIGINT)
+    for c, q in clients:
+        deadline = time.monotonic() + 60
+        ending = None
+        while ending is None and time.monotonic() < deadline:
+            try:
+                result, error = q.get(timeout=1)
+            except queue.Empty:
+                continue
+            if error is not None:
+                ending = ("error", str(error))
+            elif result.get_response().parameters["triton_final_response"].bool_param:
+                ending = ("final", "")
+        endings.append(ending)
+        c.stop_stream()
+        c.close()
+    assert all(e is not None for e in endings), endings
+    srv.proc.wait(60)
+    time.sleep(0.5)
+    assert srv.group_alive() == [], srv.log()
+    log = srv.log(20000)
+    assert "unloading: 3 request(s) in flight" in log or "successfully unloaded" in log
+
+
+def test_load_error_says_why(tmp_path):
+    repo = make_repo(tmp_path / "repo", {**BASE_PARAMS, "model": "/nonexistent/model"})
+    srv = Server(repo, tmp_path / "server.log")
+    try:
+        srv.proc.wait(120)  # tritonserver exits when a model fails to load
+        log = srv.log(50000)
+        assert "cannot load the engine: /nonexistent/model: model directory not found" in log
+        assert not srv.ready()
+    finally:
+        srv.stop()
+    assert srv.group_alive() == []
