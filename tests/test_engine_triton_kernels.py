@@ -6,16 +6,11 @@ path on CPU. Tiny random models keep the interpreter fast.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# set before Triton is first imported, and only without CUDA (see tests/test_kernels.py)
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
-    else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET before Triton loads)
+
 pytest.importorskip("triton")
 
 from backend import LLM, SamplingParams  # noqa: E402

@@ -15,12 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Triton fixes interpreter-vs-compiled when kernels are decorated (at import) and reads the flag
-# again lazily, so it is set for this process before Triton is imported, and only without CUDA.
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \
-    else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET before Triton loads)
+
 pytest.importorskip("triton")
 
 from kernels import reference as R  # noqa: E402
