@@ -26,7 +26,12 @@ STUB = "triton_python_backend_stub"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TPLLM_CACHE_DIR") or Path.home() / ".cache" / "tp-llm")
+    """The project's cache convention (as backend.model.gguf_import.cache_root, which this
+    launcher does not import: it pulls in numpy and gguf)."""
+    if os.environ.get("TPLLM_CACHE_DIR"):
+        return Path(os.environ["TPLLM_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tp-llm"
 
 
 def _pytriton_dist() -> Path | None:
