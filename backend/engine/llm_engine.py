@@ -18,7 +18,7 @@ from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput
-from backend.engine.sampler import Sampler
+from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
@@ -214,7 +214,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=req.request_id, token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=self._arrivals,
-            generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
+            generator=make_generator(p.seed),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
                 p.skip_special_tokens) if self.tokenizer is not None else None)
@@ -301,7 +301,7 @@ class LLMEngine:
                 delta += seq.detokenizer.flush()
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
-            self.stats.record_finish(seq)
+            self.stats.finished_requests += 1
         return self._output(seq, delta, [token])
 
     def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
