@@ -9,11 +9,16 @@ from kernels.metadata import DecodeBatch
 
 cpu_ops = pytest.importorskip("kernels.cpu_ops")
 pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="C++ CPU kernels not built here")
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16 storage: the kernels compute in fp32 and round once, the reference rounds per op; allow a
+# couple of bf16 steps (2^-8 relative) between them.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1), (5, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_decode_attention(hq, hkv, block_size):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention(hq, hkv, block_size, dtype):
     g = torch.Generator().manual_seed(hq * 100 + hkv + block_size)
     nb, d, b = 128, 40, 5
     kc = torch.randn(nb, block_size, hkv, d, generator=g)
@@ -22,6 +27,7 @@ def test_paged_decode_attention(hq, hkv, block_size):
     width = -(-int(lens.max()) // block_size)
     tables = torch.randperm(nb, generator=g)[:b * width].view(b, width)
     q = torch.randn(b, hq, d, generator=g)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     kv_index = None
     if hq % hkv:  # an uneven tensor-parallel split: explicit query -> KV head map
         kv_index = torch.tensor([min(h * hkv // hq, hkv - 1) for h in range(hq)])
@@ -29,37 +35,41 @@ def test_paged_decode_attention(hq, hkv, block_size):
     want = ref.decode_attention(q, kc, vc, batch, 0.3, kv_index)
     got = cpu_ops.decode_attention(q, kc, vc, DecodeBatch(tables, lens, int(lens.max()),
                                                           block_size), 0.3, kv_index)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_add_rms_norm(rows):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(rows, dtype):
     g = torch.Generator().manual_seed(rows)
-    x, res, w = (torch.randn(rows, 97, generator=g), torch.randn(rows, 97, generator=g),
-                 torch.randn(97, generator=g))
+    x, res, w = (torch.randn(rows, 97, generator=g).to(dtype),
+                 torch.randn(rows, 97, generator=g).to(dtype), torch.randn(97, generator=g).to(dtype))
     want_x, want_res = ref.add_rms_norm(x, res, w, 1e-5)
     got_x, got_res = cpu_ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
-    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
-    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # one rounded add: exact
+    torch.testing.assert_close(got_x, want_x, **TOL[dtype])
 
 
-def test_non_float32_falls_back_to_reference():
-    x, res = (torch.randn(3, 16, dtype=torch.bfloat16) for _ in range(2))
-    w = torch.randn(16, dtype=torch.bfloat16)
+def test_other_dtypes_fall_back_to_reference():
+    x, res = (torch.randn(3, 16, dtype=torch.float16) for _ in range(2))
+    w = torch.randn(16, dtype=torch.float16)
     want = ref.add_rms_norm(x, res, w, 1e-5)
     got = cpu_ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
 @pytest.mark.parametrize("tokens, hq, hkv", [(1, 9, 3), (37, 4, 4), (5, 8, 1)])
-def test_rotary_write_kv(tokens, hq, hkv):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_write_kv(tokens, hq, hkv, dtype):
+    """Bit-exact in both dtypes: the kernel rounds where the reference's ops round."""
     g = torch.Generator().manual_seed(tokens)
     d, nb, bs = 32, 16, 4
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
     ang = torch.rand(tokens, d // 2, generator=g) * 6
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    cos, sin = (torch.cat([f(ang)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     slots = torch.randperm(nb * bs, generator=g)[:tokens]
-    caches = [torch.zeros(nb, bs, hkv, d) for _ in range(4)]
+    caches = [torch.zeros(nb, bs, hkv, d, dtype=dtype) for _ in range(4)]
     want = ref.rotary_write_kv(qkv.clone(), cos, sin, hq, hkv, caches[0], caches[1], slots)
     got = cpu_ops.rotary_write_kv(qkv.clone(), cos, sin, hq, hkv, caches[2], caches[3], slots)
     for w, o in zip(want, got):

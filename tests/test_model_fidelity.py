@@ -18,12 +18,12 @@ from backend.parallel.context import ParallelContext
 from tests.tiny_models import ARCHS, hf_model, make_tiny_checkpoint
 
 
-def _our_logits(model_dir, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+def _our_logits(model_dir, token_ids: list[int], chunks: list[int],
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits at every position, computed chunk by chunk through the paged KV cache."""
     cfg = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, cfg, ParallelContext(), torch.float32)
-    runner = ModelRunner(model, num_blocks=32, block_size=4, max_model_len=256,
-                         dtype=torch.float32)
+    model = load_model(model_dir, cfg, ParallelContext(), dtype)
+    runner = ModelRunner(model, num_blocks=32, block_size=4, max_model_len=256, dtype=dtype)
     kv = KVCacheManager(32, 4)
     seq = Sequence("r", list(token_ids), len(token_ids), SamplingParams(), 0)
     out = []
@@ -49,6 +49,24 @@ def test_tiny_logits_match_transformers(arch, tmp_path):
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, f"{arch}: relative logits error {rel:.2e}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_bfloat16_as_accurate_as_transformers(arch, tmp_path):
+    """bfloat16 (the AMX path on CPU): our error against the float32 reference is no worse than
+    transformers' own bfloat16 error (our fused kernels round less often, so usually smaller)."""
+    make_tiny_checkpoint(arch, tmp_path)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 512, (30,)).tolist()
+    ours = _our_logits(tmp_path, ids, [7, 10, 5] + [1] * 8, torch.bfloat16)
+    with torch.no_grad():
+        ref = hf_model(tmp_path)(torch.tensor([ids])).logits[0]
+        hf_bf16 = hf_model(tmp_path, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    scale = ref.abs().max()
+    ours_err = ((ours - ref).abs().max() / scale).item()
+    hf_err = ((hf_bf16 - ref).abs().max() / scale).item()
+    assert ours.dtype == torch.float32
+    assert ours_err <= max(1.5 * hf_err, 1e-2), f"{arch}: ours {ours_err:.2e} vs HF bf16 {hf_err:.2e}"
 
 
 def test_tiny_batched_decode_matches_single(tmp_path):

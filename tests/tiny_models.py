@@ -52,7 +52,7 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
     return out_dir
 
 
-def hf_model(model_dir: Path):
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
