@@ -1,6 +1,6 @@
 """How a layer's output features, heads and vocabulary split across tensor-parallel ranks.
 
-Splits are contiguous and may be uneven (SmolLM2 has 9 query heads, TP 2 gives 5 + 4). With GQA
+Splits are contiguous and may be uneven (SmolLM2 has 9 query heads, TP 2 gives 4 + 5). With GQA
 each rank keeps exactly the KV heads its query heads read, so a KV head may live on two ranks.
 """
 from __future__ import annotations
@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 
 def split_range(total: int, rank: int, world: int) -> tuple[int, int]:
-    """[start, end) of rank's contiguous share of `total` items (the first ranks get the extra)."""
+    """[start, end) of rank's contiguous share of `total` items. The last ranks get the extra:
+    rank 0 also schedules and samples between steps, so it gets the lighter share."""
     base, extra = divmod(total, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    first_big = world - extra
+    start = rank * base + max(0, rank - first_big)
+    return start, start + base + (1 if rank >= first_big else 0)
 
 
 @dataclass(frozen=True)
