@@ -24,6 +24,8 @@ def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("offline", help="offline throughput/latency vs transformers and floors")
     _runtime_args(p)
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
+    p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="transformers' dtype (default: the same as --dtype)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of workload (a) (default 3)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/offline-<ts>.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
@@ -43,6 +45,8 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/tp-<ts>.json)")
+    p.add_argument("--server", action="store_true",
+                   help="also run every layout through a fresh tritonserver (gRPC streaming)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(runner="client.bench_tp")
 

@@ -128,7 +128,10 @@ def _ratios(res: dict, vllm_ref: float) -> list[dict]:
 def report(res: dict) -> str:
     (in_a, out_a), (n_b, in_b, out_b) = res["sizes"]["a"], res["sizes"]["b"]
     rows_a, rows_b = [], []
-    systems = [("ours", res["ours"]), ("transformers", res.get("hf"))]
+    hf_name = "transformers"
+    if res["info"].get("hf_dtype") not in (None, res["info"]["dtype"]):
+        hf_name += f" ({res['info']['hf_dtype']})"
+    systems = [("ours", res["ours"]), (hf_name, res.get("hf"))]
     for name, r in systems:
         if r is not None:
             a, b = r["a"], r["b"]
@@ -190,7 +193,9 @@ def main(args: argparse.Namespace) -> int:
                     "b": floors.batch_floor(cost, rates, n_b, in_b, out_b)}
 
     if args.compare == "hf":
-        hf = HFRunner(res["info"]["model_dir"], dtype, pad_id)
+        hf_dtype = getattr(torch, getattr(args, "hf_dtype", None) or args.dtype)
+        res["info"]["hf_dtype"] = str(hf_dtype).removeprefix("torch.")
+        hf = HFRunner(res["info"]["model_dir"], hf_dtype, pad_id)
         res["hf"] = {"a": hf.single(prompts_a, out_a), "b": hf.batch(prompts_b, out_b)}
         del hf
         gc.collect()

@@ -95,7 +95,21 @@ def main(args: argparse.Namespace) -> int:
         info = info or bu.run_info(threads, args.dtype, str(args.model or "embedded default"))
     text = report(info, results, args)
     print(text)
+    served = []
+    if args.server:
+        from transformers import AutoTokenizer
+
+        from backend.engine.llm_engine import resolve_model_dir
+        from client import bench_tp_server
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.model)))
+        for tp, threads in _layouts(tps, args.threads_per_rank):
+            print(f"serving TP{tp} x {threads} thread(s) per rank ...", flush=True)
+            served.append(bench_tp_server.run_layout(args, tp, threads, tokenizer))
+        served_text = bench_tp_server.report(info, served, args)
+        print("\n" + served_text)
+        text += "\n\n" + served_text
     path = bu.write_json(args.out or bu.default_out("tp"),
-                         {"info": info, "args": vars(args), "results": results, "report": text})
+                         {"info": info, "args": vars(args), "results": results,
+                          "served": served, "report": text})
     print(f"\nwrote {path}")
     return 0

@@ -171,3 +171,12 @@ def test_gauges_refresh_only_on_change():
     assert metrics.gauge["llm_kv_cache_blocks_used"].value == 5
     assert metrics.counter["llm_engine_steps_total"].value == 12
     assert metrics.counter["llm_engine_sampled_tokens_total"].value == 48
+
+
+def test_collective_time_is_a_counter():
+    """The tensor-parallel breakdown reaches Triton's metrics as two cumulative counters."""
+    metrics = Metrics(FakePB, {"model": "llm"}, interval=0)
+    metrics.refresh({"model_seconds": 2.0, "collective_seconds": 0.25})
+    metrics.refresh({"model_seconds": 3.5, "collective_seconds": 0.5})
+    assert metrics.counter["llm_model_seconds_total"].value == 3.5
+    assert metrics.counter["llm_collective_seconds_total"].value == 0.5

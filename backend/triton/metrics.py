@@ -27,6 +27,9 @@ COUNTERS = {
     "llm_engine_sampled_tokens_total": "Tokens sampled by the engine (per-step batch sizes summed)",
     "llm_preemptions_total": "Sequences preempted for lack of KV blocks",
     "llm_cold_path_events_total": "Work after READY that warmup should have done (steady state: 0)",
+    "llm_model_seconds_total": "Engine time in steps: scheduling, input prep and forward passes",
+    "llm_collective_seconds_total": "Part of llm_model_seconds_total spent in tensor-parallel "
+                                    "collectives (rank 0's view: waiting for a slower rank counts)",
 }
 GAUGES = {
     "llm_num_requests_running": "Requests in the running batch",
@@ -86,7 +89,7 @@ class Metrics:
     # ---- engine snapshot (response thread, rate-limited) ------------------------------------
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
-        (steps, sampled_tokens, preemptions)."""
+        (steps, sampled_tokens, preemptions, cold_path, model_seconds, collective_seconds)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
             return
@@ -99,7 +102,9 @@ class Metrics:
         for key, name in (("steps", "llm_engine_steps_total"),
                           ("sampled_tokens", "llm_engine_sampled_tokens_total"),
                           ("preemptions", "llm_preemptions_total"),
-                          ("cold_path", "llm_cold_path_events_total")):
+                          ("cold_path", "llm_cold_path_events_total"),
+                          ("model_seconds", "llm_model_seconds_total"),
+                          ("collective_seconds", "llm_collective_seconds_total")):
             v = snapshot.get(key)
             if v is None:
                 continue
@@ -130,4 +135,5 @@ def engine_snapshot(engine) -> dict[str, float]:
         "steps": stats.steps, "sampled_tokens": stats.sampled_tokens,
         "preemptions": stats.preemptions,
         "cold_path": cold.total if (cold := getattr(engine, "cold_path", None)) else None,
+        "model_seconds": stats.model_seconds, "collective_seconds": stats.collective_seconds,
     }
