@@ -156,7 +156,18 @@ def build_command(args: argparse.Namespace, server: Path, backend_dir: Path | No
         cmd += ["--backend-directory", str(backend_dir)]
     if args.log_verbose:
         cmd += ["--log-verbose", str(args.log_verbose)]
+    if not any(a.startswith("--allow-gpu-metrics") for a in args.extra) and not _has_gpus():
+        # Without GPUs Triton's embedded DCGM only fails to start, and it logs that to
+        # /var/log/nv-hostengine.log: outside anything this server should write to.
+        cmd += ["--allow-gpu-metrics", "false"]
     return cmd + list(args.extra)
+
+
+def _has_gpus(proc_dir: str = "/proc/driver/nvidia/gpus") -> bool:
+    """An NVIDIA driver with at least one GPU (as backend.triton.placement.count_visible_gpus,
+    which this launcher does not import: it pulls in torch)."""
+    p = Path(proc_dir)
+    return p.is_dir() and any(p.iterdir())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,7 +18,11 @@ log = logging.getLogger("kernels")
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
 # where the arithmetic is the same
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into this module; without the flag
+# it silently runs on one thread. The module links libgomp.so.1 by soname, so the process keeps
+# the single runtime torch already loaded (its thread pool and torch.set_num_threads apply).
+_LDFLAGS = ["-fopenmp"]
 
 
 def _cache_dir() -> Path:
@@ -29,7 +33,7 @@ def _cache_dir() -> Path:
     except (OSError, StopIteration):
         pass
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + flags.encode() +
-                         sys.version.encode() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+                         sys.version.encode() + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits
     # below backend/ and may not import it.
     root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
@@ -53,7 +57,8 @@ def load():
         log.info("building the C++ CPU kernels (one time) in %s", build_dir)
     try:
         return cpp_extension.load(name="tpllm_cpu_kernels", sources=[str(_SOURCE)],
-                                  extra_cflags=_CFLAGS, build_directory=str(build_dir),
+                                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                                  build_directory=str(build_dir),
                                   verbose=False)
     except Exception as e:  # no compiler / headers: the torch path still works
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference path",

@@ -17,6 +17,9 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [B], including the token being decoded
     max_context: int
     block_size: int
+    # max_context is an upper bound (a CUDA graph's fixed shape), not this batch's longest
+    # context: the torch path must then mask every row, a single one too
+    bounded: bool = False
 
     @property
     def size(self) -> int:
@@ -34,7 +37,7 @@ class DecodeBatch:
     @cached_property
     def mask(self) -> torch.Tensor | None:
         """[B, 1, 1, L] key validity; None when one sequence is sliced to its exact length."""
-        if self.size == 1:
+        if self.size == 1 and not self.bounded:
             return None
         pos = torch.arange(self.num_blocks * self.block_size, device=self.context_lens.device)
         return (pos[None, :] < self.context_lens[:, None]).view(self.size, 1, 1, -1)

@@ -74,7 +74,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per sequence. q: [B, Hq, D]. Returns [B, Hq, D]."""
     b = q.shape[0]
     _, bs, h, d = k_cache.shape
-    length = batch.max_context if b == 1 else batch.num_blocks * bs
+    length = batch.max_context if batch.mask is None else batch.num_blocks * bs
     k = k_cache.index_select(0, batch.gather_index).view(b, -1, h, d)[:, :length]
     v = v_cache.index_select(0, batch.gather_index).view(b, -1, h, d)[:, :length]
     out = _sdpa(q.unsqueeze(2), _heads_first(k, kv_index), _heads_first(v, kv_index),

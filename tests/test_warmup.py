@@ -71,3 +71,52 @@ def test_counter_sees_cold_shapes_without_warmup(tiny):
               max_num_batched_tokens=96, warmup=False)
     _varied_workload(llm, seed=1)
     assert llm.engine.cold_path.snapshot().get("new_shape", 0) > 0
+
+
+def test_async_engine_warms_up_on_its_own_thread(tiny, monkeypatch):
+    """The thread that serves is the thread that was warmed (per-thread OpenMP/oneDNN state),
+    and nothing counts as cold afterwards when requests arrive from other threads."""
+    import threading
+
+    from backend.engine import llm_engine
+    from backend.engine.async_engine import AsyncEngine
+    from backend.engine.config import EngineConfig
+
+    warmed_on = []
+    real = llm_engine.run_warmup
+
+    def spy(engine):
+        warmed_on.append(threading.get_ident())
+        return real(engine)
+
+    monkeypatch.setattr(llm_engine, "run_warmup", spy)
+    engine = llm_engine.LLMEngine(EngineConfig(model=str(tiny), num_kv_blocks=128, block_size=8,
+                                               max_num_seqs=8, max_num_batched_tokens=96),
+                                  defer_warmup=True)
+    assert not warmed_on and not engine.cold_path.ready
+    ae = AsyncEngine(engine, warm_up=True)
+    ae.wait_ready(timeout=120)
+    assert warmed_on == [ae._thread.ident] and engine.cold_path.ready
+    streams = [ae.add_request(f"r{n}", list(range(3, 3 + n)),
+                              SamplingParams(max_tokens=5, ignore_eos=True)) for n in (1, 40, 90)]
+    finals = [list(s)[-1] for s in streams]
+    assert [(o.finish_reason, o.num_output_tokens) for o in finals] == [("length", 5)] * 3
+    assert engine.cold_path.total == 0, engine.cold_path.snapshot()
+    ae.shutdown()
+
+
+def test_async_engine_reports_a_failed_warmup(tiny, monkeypatch):
+    from backend.engine import llm_engine
+    from backend.engine.async_engine import AsyncEngine
+    from backend.engine.config import EngineConfig
+
+    def boom(engine):
+        raise MemoryError("no room for bucket 96")
+
+    monkeypatch.setattr(llm_engine, "run_warmup", boom)
+    engine = llm_engine.LLMEngine(EngineConfig(model=str(tiny), num_kv_blocks=16, block_size=8,
+                                               max_num_seqs=8, max_num_batched_tokens=96),
+                                  defer_warmup=True)
+    ae = AsyncEngine(engine, warm_up=True)
+    with pytest.raises(RuntimeError, match="warmup failed: no room for bucket 96"):
+        ae.wait_ready(timeout=60)

@@ -44,14 +44,27 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, warm_up: bool = False):
+        """Starts the engine thread. With `warm_up` (an engine made with defer_warmup=True) the
+        thread first warms the engine up, so the thread that serves is the thread that was
+        warmed; wait_ready() returns when it is done."""
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._ready = threading.Event()
+        self._warmup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(warm_up,), name="engine",
+                                        daemon=True)
         self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the engine thread has warmed up; re-raises a warmup failure."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the engine did not warm up in {timeout}s")
+        if self._warmup_error is not None:
+            raise RuntimeError(f"warmup failed: {self._warmup_error}") from self._warmup_error
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
@@ -78,6 +91,17 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._sinks)
+
+    def _run(self, warm_up: bool) -> None:
+        try:
+            if warm_up:
+                self.engine.warm_up()
+        except BaseException as e:  # reported by wait_ready(); the thread has nothing to serve
+            self._warmup_error = e
+            return
+        finally:
+            self._ready.set()
+        self._loop()
 
     def _loop(self) -> None:
         while True:

@@ -1,6 +1,7 @@
-"""Engine settings: what to load, how big the KV pool and the batches are, how many threads."""
+"""Engine settings: what to load and where, how big the KV pool and the batches are, threads."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context (and sliding window)
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
+    device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)
+    cuda_graphs: bool = True  # on CUDA, decode steps replay one captured graph per batch bucket
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,6 +42,28 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
+        self.resolved_device()
+
+    def resolved_device(self) -> torch.device:
+        """Rank 0's device ("auto" resolved); raises ValueError naming the field."""
+        d = str(self.device).strip().lower()
+        if d == "auto":
+            d = "cuda" if torch.cuda.is_available() else "cpu"
+        if d == "cpu":
+            return torch.device("cpu")
+        m = re.fullmatch(r"cuda(?::(\d+))?", d)
+        if not m:
+            raise ValueError("device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                             f"got {self.device!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {d} requested but torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use device 'cpu' or 'auto'")
+        first, n = int(m.group(1) or 0), torch.cuda.device_count()
+        last = first + self.tensor_parallel_size - 1  # rank r runs on cuda:first+r
+        if last >= n:
+            raise ValueError(f"device: {d} with tensor_parallel_size {self.tensor_parallel_size} "
+                             f"needs CUDA devices {first}..{last} but torch sees {n}")
+        return torch.device("cuda", first)
 
     @property
     def torch_dtype(self) -> torch.dtype:

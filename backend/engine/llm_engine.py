@@ -23,7 +23,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import StepInputs, build_step_inputs
-from backend.engine.warmup import warm_up
+from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
@@ -70,9 +70,11 @@ def load_tokenizer(model_dir: Path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, defer_warmup: bool = False):
+        """Loads the model. Unless `defer_warmup`, also warms up and is ready on return; with it,
+        the caller runs warm_up() itself, on the thread that will step the engine."""
         config.validate()
-        t0 = time.perf_counter()
+        t0 = self._t_start = time.perf_counter()
         self.config = config
         tp = config.tensor_parallel_size
         # Under TP the ranks share the cores: by default each gets its share, not all of them.
@@ -88,21 +90,27 @@ class LLMEngine:
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, tp) * config.block_size
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+        self.device = config.resolved_device()  # rank 0's; rank r uses the r-th next GPU
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton and NCCL launch on the current device
+        self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)
+        self.cold_path = ColdPathCounter()
         self.group = None
         ctx = ParallelContext()
         try:
             if tp > 1:
                 ctx = self._launch_group(cfg, num_blocks, threads)
-            model = load_model(self.model_dir, cfg, ctx, dtype)
+            model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
-                                      dtype)
+                                      dtype, self.device)
+            if self.uses_cuda_graphs:  # captured per bucket by warmup, before ready
+                self.runner.enable_decode_graphs(self.plan.decode_sizes, True, self._captured)
             if self.group is not None:
                 self.group.wait_ready()
         except BaseException:
             self.close()
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.plan)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -111,20 +119,38 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.stats = EngineStats()
-        self.cold_path = ColdPathCounter()
         self.warm_shapes: set[tuple[str, int]] = set()
-        if config.warmup:
+        log.info("engine loaded in %.1fs: %s, %s on %s, TP %d, %d KV blocks x %d tokens (%.2f GiB "
+                 "per rank), max_model_len %d, %d threads per rank", time.perf_counter() - t0,
+                 self.model_dir.name, config.dtype, self.device, tp, num_blocks,
+                 config.block_size, self.runner.kv_cache_bytes / 2**30, self.max_model_len,
+                 torch.get_num_threads())
+        if not defer_warmup:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run every bucket (if config.warmup), then mark the engine ready: from here on anything
+        that compiles, captures or meets a new shape counts as a cold path. Call it on the thread
+        that steps the engine: OpenMP thread teams and oneDNN scratchpads belong to the calling
+        thread, so warming another thread would leave the serving thread's cold."""
+        if self.config.warmup:
             try:
-                self.stats.warmup_seconds = warm_up(self)
+                self.stats.warmup_seconds = run_warmup(self)
             except BaseException:
                 self.close()
                 raise
         self.cold_path.ready = True
-        log.info("engine ready in %.1fs (warmup %.1fs, %d buckets): %s, %s, TP %d, %d KV blocks "
-                 "x %d tokens (%.2f GiB per rank), max_model_len %d, %d threads per rank",
-                 time.perf_counter() - t0, self.stats.warmup_seconds, len(self.warm_shapes),
-                 self.model_dir.name, config.dtype, tp, num_blocks, config.block_size,
-                 self.runner.kv_cache_bytes / 2**30, self.max_model_len, torch.get_num_threads())
+        log.info("engine ready in %.1fs (warmup %.1fs, %d buckets, %d CUDA graphs)",
+                 time.perf_counter() - self._t_start, self.stats.warmup_seconds,
+                 len(self.warm_shapes), self.runner.num_graph_captures)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.config.cuda_graphs
+
+    def _captured(self, bucket: int) -> None:
+        """A decode bucket's CUDA graph was captured: free before ready, a cold path after."""
+        self.cold_path.record("cuda_graph_capture", f"decode bucket {bucket}")
 
     def _launch_group(self, cfg: ModelConfig, num_blocks: int,
                       threads: int | None) -> ParallelContext:
@@ -137,7 +163,9 @@ class LLMEngine:
             rank=0, world=tp, store_port=0, shm_name="", slot_bytes=slot_bytes,
             model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
             block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
-            cpu=0 if c.pin_cpus else None), c.torch_dtype)
+            cpu=0 if c.pin_cpus else None, device=str(self.device),
+            cuda_graphs=self.uses_cuda_graphs, decode_sizes=self.plan.decode_sizes),
+            c.torch_dtype)
         weakref.finalize(self, self.group.close)
         if c.pin_cpus:
             os.sched_setaffinity(0, {0})
@@ -154,10 +182,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         log.warning("rebuilding the tensor-parallel group")
         self.group.restart()
+        self.runner.reset_decode_graphs()  # captured with the old group's communicator
         if self.config.warmup:  # the new workers warm up too; not a cold path of serving
             self.cold_path.ready = False
             try:
-                warm_up(self)
+                run_warmup(self)
             finally:
                 self.cold_path.ready = True
         self.stats.recoveries += 1

@@ -1,8 +1,14 @@
-"""Runs one step of the model on this rank: owns the paged KV cache and the rotary tables."""
+"""Runs one step of the model on this rank: owns the paged KV cache and the rotary tables, on the
+rank's device, and (on CUDA) the decode step's CUDA graphs."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import numpy as np
 import torch
 
+from backend.engine.decode_graphs import DecodeGraphs
+from backend.engine.device_inputs import DeviceInputs
 from backend.engine.step_inputs import StepInputs
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
@@ -11,35 +17,76 @@ from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 max_model_len: int, dtype: torch.dtype):
+                 max_model_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
-        self.rotary = RotaryTables(cfg, max_model_len, dtype)
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rotary = RotaryTables(cfg, max_model_len, dtype, self.device)
         attn = model.layers[0].self_attn
         shape = (num_blocks + 1, block_size, attn.num_kv, cfg.head_dim)  # + the scratch block
         # Allocated (and touched, so the OS commits it) once, at load.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
+        self.inputs = DeviceInputs(self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
+    def enable_decode_graphs(self, buckets: Sequence[int], use_graphs: bool,
+                             on_capture: Callable[[int], None] | None = None) -> None:
+        """Run decode-only steps of these batch sizes from static buffers: captured CUDA graphs
+        with use_graphs (CUDA), else the same buffers called eagerly (tests the padding on CPU).
+        Graphs are captured at each bucket's first step (the engine's warmup)."""
+        self.decode_graphs = DecodeGraphs(self, buckets, use_graphs, on_capture)
+
+    def reset_decode_graphs(self) -> None:
+        """Drop captured graphs (they hold the old communicator after a TP group rebuild); the
+        next step of each bucket captures again."""
+        if self.decode_graphs is not None:
+            g = self.decode_graphs
+            self.decode_graphs = DecodeGraphs(self, g.buckets, g.use_graphs, g.on_capture)
+
+    @property
+    def num_graph_captures(self) -> int:
+        return 0 if self.decode_graphs is None else self.decode_graphs.num_captures
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits [len(logits_indices), V] on rank 0 (None on other ranks under TP)."""
-        return self.model(torch.from_numpy(inputs.input_ids), self.metadata(inputs),
-                          self.kv_caches, torch.from_numpy(inputs.logits_indices))
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)  # per thread: Triton launches on it
+        if self.decode_graphs is not None and self.decode_graphs.accepts(inputs):
+            return self.decode_graphs.run(inputs)
+        ids, idx, *rest = self.inputs.to_device(inputs.input_ids, inputs.logits_indices,
+                                                *_meta_arrays(inputs))
+        return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx)
 
-    def metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        cos, sin = self.rotary.lookup(torch.from_numpy(inputs.positions))
+    def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
+        """Attention inputs of a step from its _meta_arrays, already on the device."""
+        positions, slot_mapping, *rest = tensors
+        cos, sin = self.rotary.lookup(positions)
+        tables = rest[len(rest) - len(inputs.prefills):]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping), cos=cos, sin=sin,
-            prefills=[PrefillChunk(s, n, c, torch.from_numpy(t)) for s, n, c, t in inputs.prefills],
+            slot_mapping=slot_mapping, cos=cos, sin=sin,
+            prefills=[PrefillChunk(s, n, c, t) for (s, n, c, _), t in zip(inputs.prefills, tables)],
             num_padding=inputs.num_padding)
-        if inputs.decode_block_tables is not None:
-            lens = torch.from_numpy(inputs.decode_context_lens)
-            meta.decode = DecodeBatch(torch.from_numpy(inputs.decode_block_tables), lens,
-                                      int(lens.max()), self.block_size)
+        if inputs.decode_block_tables is not None:  # longest context from the host: no sync
+            meta.decode = DecodeBatch(rest[0], rest[1], int(inputs.decode_context_lens.max()),
+                                      self.block_size)
         return meta
+
+
+def _meta_arrays(inputs: StepInputs) -> list[np.ndarray]:
+    """positions, slot mapping, [decode block tables, context lens], prefill block tables."""
+    out = [inputs.positions, inputs.slot_mapping]
+    if inputs.decode_block_tables is not None:
+        out += [inputs.decode_block_tables, inputs.decode_context_lens]
+    return out + [t for _, _, _, t in inputs.prefills]

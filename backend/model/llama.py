@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv)
         if logits_indices is None or logits_indices.numel() == 0:
-            return torch.empty(0, self.cfg.vocab_size)
+            return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits.
         x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.norm(x, residual)

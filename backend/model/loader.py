@@ -36,9 +36,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext,
-               dtype: torch.dtype) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(cfg, ctx, dtype)
+def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> LlamaForCausalLM:
+    """Parameters are created on `device` (default: torch's default device) and each slice is
+    copied there straight from the file; the model picks its kernels by that device."""
+    with torch.device(device if device is not None else torch.get_default_device()):
+        model = LlamaForCausalLM(cfg, ctx, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     needed = {(n, sid) for n, p in params.items() for sid in p.shards
               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}

@@ -32,12 +32,14 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class RotaryTables:
     """cos/sin of shape [max_positions, head_dim] (halves duplicated, HF/neox layout)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inverse_frequencies(cfg))
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        # computed on CPU whatever the device, so every device serves the same table values
+        pos = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inverse_frequencies(cfg).cpu())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)

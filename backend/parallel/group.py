@@ -16,7 +16,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -25,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.parallel.comm_select import connect, local_segment
 from backend.parallel.context import ParallelContext
-from backend.parallel.shm_comm import PeerLostError, ShmCommunicator
+from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
 _STARTUP_TIMEOUT_S = 600.0
@@ -47,6 +47,10 @@ class WorkerSpec:
     max_model_len: int
     num_threads: int | None
     cpu: int | None  # core to pin to, or None
+    # GPU path (comm_select.py): rank r on the r-th GPU from `device`; decode CUDA graphs
+    device: str = "cpu"
+    cuda_graphs: bool = False
+    decode_sizes: tuple[int, ...] = ()
 
 
 def python_executable() -> str:
@@ -71,9 +75,8 @@ class TPGroup:
     def _start(self) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
-        self.comm = ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, self.world,
-                                    self.spec.slot_bytes, self.dtype, create=True,
-                                    peers_alive=self.workers_alive)
+        # communicator by device (comm_select): the CPU segment now, the rest once workers run
+        self.comm = local_segment(self.spec, self.dtype, self.workers_alive)
         self.ctx.comm = self.comm
         self.closed = False
         timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
@@ -85,7 +88,8 @@ class TPGroup:
         for rank in range(1, self.world):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(**{**self.spec.__dict__, "rank": rank,
-                                 "store_port": self._store.port, "shm_name": self.comm.name,
+                                 "store_port": self._store.port,
+                                 "shm_name": self.comm.name if self.comm else "",
                                  "cpu": None if self.spec.cpu is None else rank % os.cpu_count()})
             proc = ctx.Process(target=worker_main, args=(spec, child, os.getpid()),
                                name=f"tpllm-rank{rank}", daemon=True)
@@ -93,7 +97,8 @@ class TPGroup:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self.comm._fallback = dist.ProcessGroupGloo(self._store, 0, self.world, timeout)
+        self.comm = self.ctx.comm = connect(self.spec, self._store, self.dtype, timeout,
+                                            self.workers_alive, self.comm)
         log.info("tensor-parallel group of %d formed (workers %s)", self.world, self.worker_pids)
 
     def restart(self) -> None:
@@ -149,6 +154,7 @@ class TPGroup:
                 p.join(1.0)
         for conn in self._conns:
             conn.close()
-        self.comm.close(unlink=True)
+        if self.comm is not None:
+            self.comm.close(unlink=True)
         self._store = None
         log.info("tensor-parallel workers stopped")

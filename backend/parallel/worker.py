@@ -15,9 +15,10 @@ from backend.engine.config import DTYPES
 from backend.engine.model_runner import ModelRunner
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
+from backend.parallel.comm_select import connect, rank_device
 from backend.parallel.context import ParallelContext
 from backend.parallel.group import WorkerSpec
-from backend.parallel.shm_comm import PeerLostError, ShmCommunicator
+from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
 
@@ -28,18 +29,21 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     dtype = DTYPES[spec.dtype]
+    device = rank_device(spec.device, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=600)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timeout)
-    fallback = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
-    comm = ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
-                           create=False, fallback=fallback,
-                           peers_alive=lambda: os.getppid() == parent_pid)
+    comm = connect(spec, store, dtype, timeout, peers_alive=lambda: os.getppid() == parent_pid)
     ctx = ParallelContext(spec.rank, spec.world, comm)
     model_dir = Path(spec.model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, cfg, ctx, dtype)
-    runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype)
-    runner.keepalive = (store, fallback)  # the store client must live as long as the group
+    model = load_model(model_dir, cfg, ctx, dtype, device)
+    runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype,
+                         device)
+    if spec.cuda_graphs:  # captured at the same warmup steps as rank 0's
+        runner.enable_decode_graphs(spec.decode_sizes, use_graphs=True)
+    runner.keepalive = (store, comm)  # the store client must live as long as the group
     return runner
 
 

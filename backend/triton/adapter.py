@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from backend.triton.model_config import check_transaction_policy, parse_parameters
-from backend.triton.placement import compute_placement, count_visible_gpus, cuda_visible_devices
-from backend.triton.request import ALL_INPUTS, parse_request, render_chat
+from backend.triton.placement import (compute_placement, count_visible_gpus,
+                                      cuda_visible_devices, engine_device)
+from backend.triton.request import ALL_INPUTS, check_prompt_size, parse_request, render_chat
 from backend.triton.response import StreamState
 from backend.triton.shutdown import grace_seconds, watch_signals
 
@@ -62,6 +63,7 @@ class TritonLLMModel:
             args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id") or 0),
             instance, config.get("instance_group") or [],
             engine_kwargs.get("tensor_parallel_size", 1), opts.gpu_device_ids, count_visible_gpus())
+        engine_kwargs["device"] = engine_device(placement, engine_kwargs.get("device"))
         if placement.device == "cuda":  # before anything initializes CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(placement.gpu_ids)
         model = engine_kwargs.get("model")
@@ -78,9 +80,7 @@ class TritonLLMModel:
         from backend.engine.llm_engine import LLMEngine
         try:
             cfg = EngineConfig(**engine_kwargs)
-            if placement.device == "cuda" and hasattr(cfg, "device"):
-                cfg.device = "cuda"
-            self.llm = LLMEngine(cfg)
+            self.llm = LLMEngine(cfg, defer_warmup=True)  # warmed on the engine thread
         except Exception as e:
             raise RuntimeError(f"{name}: cannot load the engine: {e}") from e
         try:
@@ -101,7 +101,8 @@ class TritonLLMModel:
         from backend.triton.metrics import Metrics, NullMetrics, engine_snapshot
         from backend.triton.responder import Responder
         self.tokenizer = self.llm.tokenizer
-        self.engine = AsyncEngine(self.llm)
+        self.engine = AsyncEngine(self.llm, warm_up=True)
+        self.engine.wait_ready()  # READY only after every bucket ran
         labels = {"model": name, "version": str(args.get("model_version", "")),
                   "instance": args["model_instance_name"]}
         self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
@@ -129,6 +130,7 @@ class TritonLLMModel:
         try:
             req = parse_request(self._read_inputs(request), request.parameters())
             prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
+            check_prompt_size(self.tokenizer, prompt, self.llm.max_model_len)
         except ValueError as e:
             self._reject(sender, str(e))
             return

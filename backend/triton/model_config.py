@@ -21,6 +21,8 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "max_model_len"),
     "seed": (int, "seed"),
     "warmup": (bool, "warmup"),
+    "device": (str, "device"),  # usually set by the instance kind (placement.engine_device)
+    "cuda_graphs": (bool, "cuda_graphs"),
 }
 ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "log_level": str}
 

@@ -116,6 +116,23 @@ def compute_placement(kind: str, device_id: int, instance_name: str, instance_gr
     return Placement("cuda", tuple(gpu_sets[index]), index, total)
 
 
+def engine_device(placement: Placement, requested: str | None = None) -> str:
+    """The engine's `device` setting for this replica. The instance kind decides (KIND_CPU ->
+    "cpu"; KIND_GPU / KIND_MODEL -> "cuda", i.e. the replica's first GPU once
+    CUDA_VISIBLE_DEVICES exposes only its set); a `device` parameter may only agree with it."""
+    requested = (requested or "auto").strip().lower()
+    if requested in ("auto", placement.device):
+        return placement.device
+    if placement.device == "cuda" and requested.startswith("cuda:"):
+        raise PlacementError(f"parameter device: {requested!r} names a GPU, but this replica's "
+                             "GPUs come from the instance group; write device \"cuda\" (or "
+                             "leave it empty) and choose GPUs with gpu_device_ids or `gpus: [...]`")
+    kind = "KIND_CPU" if placement.device == "cpu" else "KIND_GPU/KIND_MODEL"
+    fix = "kind: KIND_MODEL (or KIND_GPU)" if requested.startswith("cuda") else "kind: KIND_CPU"
+    raise PlacementError(f"parameter device: {requested!r} contradicts instance_group kind "
+                         f"{kind} (device {placement.device!r}); use `{fix}` or leave device empty")
+
+
 def gpu_sets_for(num_replicas: int, tp: int, gpu_device_ids: str | None,
                  num_gpus: int) -> list[list[int]]:
     """The GPU set of every replica, validated as a whole (so every replica reports the same error)."""

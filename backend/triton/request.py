@@ -240,3 +240,32 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:
         raise ValueError(f"text_input: the chat template rejected the messages ({e})") from None
+
+
+# A prompt longer than this many characters per context token is measured on a prefix first
+# (see check_prompt_size): normal text is 3-5 characters per token.
+PREFIX_CHARS_PER_TOKEN = 8
+_PREFIX_MARGIN_TOKENS = 64
+
+
+def check_prompt_size(tokenizer, prompt: str, max_model_len: int) -> None:
+    """Rejects a prompt that certainly exceeds the context without tokenizing all of it.
+
+    The engine tokenizes the whole prompt before it compares the length with the context; for a
+    10 MB prompt that is ~10 s of a core in the request path. Here a prompt of more than
+    PREFIX_CHARS_PER_TOKEN * max_model_len characters is first tokenized up to that many
+    characters (cut at whitespace): if that prefix alone already exceeds the context (with a
+    margin for the word cut in two), the request is refused at once. Otherwise (text of unusually
+    long tokens) the engine measures it exactly, as for any prompt."""
+    limit = PREFIX_CHARS_PER_TOKEN * max_model_len
+    if tokenizer is None or len(prompt) <= limit:
+        return
+    cut = prompt[:limit]
+    space = max(cut.rfind(" "), cut.rfind("\n"))
+    if space > limit // 2:
+        cut = cut[:space]
+    n = len(tokenizer.encode(cut))
+    if n >= max_model_len + _PREFIX_MARGIN_TOKENS:
+        raise ValueError(f"text_input: the prompt is longer than the context: its first {len(cut)} "
+                         f"of {len(prompt)} characters are already {n} tokens; the context holds "
+                         f"{max_model_len} (prompt + at least one generated token)")

@@ -27,6 +27,25 @@ inline void axpy(float* y, const T* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
+// exp(x) for x <= 0 (softmax arguments), vectorizable: 2^k * p(r) with x = k ln2 + r, |r| <=
+// ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7); underflows to 0 below -87.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 void check_storage(const torch::Tensor& t, const char* fn) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, fn,
               ": float32 or bfloat16 only");
@@ -49,10 +68,13 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   T* op = out.data_ptr<T>();
   const int64_t kb_stride = k_cache.stride(0), kt_stride = k_cache.stride(1),
                 kh_stride = k_cache.stride(2);
+  const float fscale = (float)scale;
   // One task per (sequence, KV head): the group's query heads share every K/V row it loads.
+  // Block by block (online softmax): the block's K/V rows are converted to fp32 once into
+  // L1-resident buffers, then every query head of the group reads them.
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> heads;
-    std::vector<float> scores, qf, acc;
+    std::vector<float> qf, acc, kb(BS * D), vb(BS * D), sc, mx, den;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       heads.clear();
@@ -61,37 +83,51 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t G = heads.size(), L = lp[b];
       if (G == 0) continue;
       acc.assign(G * D, 0.f);
-      if (L > 0) {
-        qf.resize(G * D);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < D; ++i)
-            qf[g * D + i] = static_cast<float>(qp[(b * Hq + heads[g]) * D + i]);
-        scores.assign(G * L, 0.f);
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t blk = tp[b * MB + t / BS];
-          const T* k = kp + blk * kb_stride + (t % BS) * kt_stride + h * kh_stride;
-          for (int64_t g = 0; g < G; ++g)
-            scores[g * L + t] = dot(qf.data() + g * D, k, D) * (float)scale;
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + g * L;
-          float m = -INFINITY;
-          for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-        }
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t blk = tp[b * MB + t / BS];
-          const T* v = vp + blk * kb_stride + (t % BS) * kt_stride + h * kh_stride;
-          for (int64_t g = 0; g < G; ++g)
-            axpy(acc.data() + g * D, v, scores[g * L + t], D);
-        }
-      }
+      qf.resize(G * D);
+      sc.resize(G * BS);
+      mx.assign(G, -INFINITY);
+      den.assign(G, 0.f);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i)
-          op[(b * Hq + heads[g]) * D + i] = static_cast<T>(acc[g * D + i]);
+          qf[g * D + i] = static_cast<float>(qp[(b * Hq + heads[g]) * D + i]);
+      for (int64_t start = 0; start < L; start += BS) {
+        const int64_t n = std::min(BS, L - start);
+        const int64_t blk = tp[b * MB + start / BS];
+        const T* kbase = kp + blk * kb_stride + h * kh_stride;
+        const T* vbase = vp + blk * kb_stride + h * kh_stride;
+        for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) {
+            kb[j * D + i] = static_cast<float>(kbase[j * kt_stride + i]);
+            vb[j * D + i] = static_cast<float>(vbase[j * kt_stride + i]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* s = sc.data() + g * BS;
+          float m = mx[g];
+          for (int64_t j = 0; j < n; ++j) {
+            s[j] = dot(qf.data() + g * D, kb.data() + j * D, D) * fscale;
+            m = std::max(m, s[j]);
+          }
+          const float corr = std::exp(mx[g] - m);  // 0 on the first block (acc is still 0)
+          mx[g] = m;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
+          den[g] = den[g] * corr + sum;
+          float* a = acc.data() + g * D;
+          if (corr != 1.f) {
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+          }
+          for (int64_t j = 0; j < n; ++j) axpy(a, vb.data() + j * D, s[j], D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = L > 0 ? 1.f / den[g] : 0.f;
+        for (int64_t i = 0; i < D; ++i)
+          op[(b * Hq + heads[g]) * D + i] = static_cast<T>(acc[g * D + i] * inv);
+      }
     }
   });
 }

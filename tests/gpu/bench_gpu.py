@@ -1,29 +1,40 @@
 """Short GPU benchmark (one NVIDIA GPU): prints one table. Run by tests/gpu/check.sh.
 
 Rows: device-to-device copy bandwidth (the ceiling); paged decode attention at 4k context
-(Triton vs the torch reference) as bandwidth and share of the copy; SmolLM2-135M model decode
-step at batch 1 (inter-token latency: torch ops eager, Triton eager, Triton + CUDA graph) and at
-batch 64 (throughput). The model has SmolLM2-135M's exact shapes with random bf16 weights
-(latency does not depend on the values; the real checkpoint is too large to carry here).
-Timed with CUDA events via triton.testing.do_bench (median); inputs already on the device.
+(Triton vs the torch reference) as bandwidth and share of the copy; our engine end to end
+(LLMEngine on CUDA, step by step, sampling included) at batch 1 (inter-token latency with and
+without CUDA graphs) and at concurrency 64 (throughput); then the model's decode step alone at
+batch 1 and 64 (torch ops eager, Triton eager, Triton + CUDA graph). The model has
+SmolLM2-135M's exact shapes with random bf16 weights (latency does not depend on the values; the
+real checkpoint is not on the GPU machine). Kernel rows are timed with CUDA events via
+triton.testing.do_bench (median); engine rows with the host clock around each engine step.
+
+Every section runs on its own (a failure becomes a row) within --budget-s: a section that
+would not fit is skipped, and the table is printed in any case.
+    python tests/gpu/bench_gpu.py [--budget-s 200]
+    python tests/gpu/bench_gpu.py --dry-run     # CPU, tiny model: checks this script anywhere
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from backend.model.config import ModelConfig  # noqa: E402
 from backend.model.llama import LlamaForCausalLM  # noqa: E402
 from backend.model.rotary import RotaryTables  # noqa: E402
 from backend.parallel.context import ParallelContext  # noqa: E402
-from kernels import reference, select_ops, triton_ops  # noqa: E402
+from kernels import reference, select_ops  # noqa: E402
 from kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
 from kernels.metadata import AttentionMetadata, DecodeBatch  # noqa: E402
 
@@ -44,6 +55,7 @@ def row(name: str, value: str, note: str = "") -> None:
 
 
 def ms(fn) -> float:
+    from triton.testing import do_bench
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
@@ -62,6 +74,7 @@ def paged_tables(batch: int, blocks_each: int, g: torch.Generator) -> torch.Tens
 
 
 def decode_attention_rows(copy_gbs: float) -> None:
+    from kernels import triton_ops
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, ctx = 9, 3, 64, 4096
     for b in (64, 1):
@@ -97,6 +110,7 @@ def build_model(ops) -> LlamaForCausalLM:
 
 
 def model_rows() -> None:
+    from kernels import triton_ops
     model = build_model(select_ops(DEV))
     assert model.ops is triton_ops, "CUDA must select the Triton kernels"
     torch_model = build_model(reference)
@@ -160,21 +174,123 @@ def model_rows() -> None:
     assert graphs.num_captures == at_warmup, "captured again after warmup"
 
 
-def main() -> int:
-    assert torch.cuda.is_available(), "no CUDA device"
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    copy = copy_bandwidth()
-    decode_attention_rows(copy)
-    model_rows()
-    width = max(len(r[0]) for r in ROWS)
-    print("\n" + "=" * 88)
+TINY = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+
+
+def random_checkpoint(shapes: dict, dtype: torch.dtype, out: Path) -> Path:
+    """A random HF Llama checkpoint with these shapes (safetensors, no tokenizer)."""
+    import transformers as tf
+    cfg = tf.LlamaConfig(**{k: v for k, v in shapes.items() if k != "model_type"})
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # fast random init
+        model = tf.LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def engine_rows(model_dir: Path, device: str, dtype: str, prompt_len: int, gen: int,
+                concurrency: int) -> None:
+    """Our engine end to end: batch-1 ITL with and without CUDA graphs; throughput at
+    `concurrency` (graphs on). Host clock around each step (sampling included)."""
+    from backend import LLM, SamplingParams
+    g = torch.Generator().manual_seed(0)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+               for _ in range(concurrency)]
+    sp = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    for graphs in (True, False):
+        t0 = time.perf_counter()
+        with LLM(model=str(model_dir), dtype=dtype, device=device, cuda_graphs=graphs,
+                 max_num_seqs=concurrency, max_num_batched_tokens=1024,
+                 max_model_len=2 * (prompt_len + gen)) as llm:
+            eng = llm.engine
+            tag = "CUDA graphs" if eng.uses_cuda_graphs else "eager"
+            row(f"engine load + warmup ({tag})", f"{time.perf_counter() - t0:.1f} s",
+                f"{len(eng.warm_shapes)} buckets, {eng.runner.num_graph_captures} graphs")
+            eng.add_request("itl", prompts[0], sp)
+            steps = []
+            while eng.has_unfinished():
+                t = time.perf_counter()
+                eng.step()
+                steps.append(time.perf_counter() - t)
+            itl = statistics.median(steps[1:]) * 1e3  # steps[0] is the prefill
+            row(f"engine ITL B=1 ({tag})", f"{itl:.3f} ms",
+                f"median of {len(steps) - 1} steps, {1e3 / itl:.0f} tok/s"
+                + (" (target <= 1 ms)" if eng.uses_cuda_graphs else ""))
+            if graphs:  # throughput at full concurrency, graphs on
+                for i, p in enumerate(prompts):
+                    eng.add_request(f"c{i}", p, sp)
+                t, n, full = time.perf_counter(), 0, []
+                while eng.has_unfinished():
+                    ts = time.perf_counter()
+                    k = len(eng.step())
+                    n += k
+                    if k == concurrency:
+                        full.append(time.perf_counter() - ts)
+                wall = time.perf_counter() - t
+                row(f"engine throughput c={concurrency} ({tag})", f"{n / wall:.0f} tok/s",
+                    f"{concurrency} x ({prompt_len} prompt + {gen} out) in {wall:.2f} s")
+                if full:
+                    row(f"engine step B={concurrency} ({tag})",
+                        f"{statistics.median(full) * 1e3:.3f} ms", "median, all rows decoding")
+            cold = eng.cold_path.snapshot()
+            row(f"engine cold-path events after ready ({tag})", str(sum(cold.values())),
+                str(cold) if cold else "")
+
+
+def section(name: str, need_s: float, deadline: float, fn, *args) -> None:
+    """Run one section if it fits the remaining budget; a failure becomes a row."""
+    left = deadline - time.perf_counter()
+    if left < need_s:
+        row(name, "skipped", f"{left:.0f}s left of the budget, needs ~{need_s:.0f}s")
+        return
+    t0 = time.perf_counter()
+    try:
+        fn(*args)
+    except Exception as e:
+        traceback.print_exc()
+        row(name, "FAILED", f"{type(e).__name__}: {str(e)[:120]}")
+    print(f"  [{name}: {time.perf_counter() - t0:.1f}s]", flush=True)
+
+
+def print_table() -> None:
+    width = max([len(r[0]) for r in ROWS] + [10])
+    print("\n" + "=" * 96)
     for name, value, note in ROWS:
         print(f"{name:<{width}}  {value:<24} {note}")
-    print("=" * 88)
+    print("=" * 96, flush=True)
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench.json").write_text(json.dumps(ROWS, indent=1))
-    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting sections after")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, engine rows only")
+    args = ap.parse_args()
+    deadline = time.perf_counter() + args.budget_s
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.dry_run:
+                section("engine (dry run, CPU)", 5, deadline, lambda: engine_rows(
+                    random_checkpoint(TINY, torch.float32, Path(tmp, "tiny")), "cpu", "float32",
+                    16, 8, 4))
+                return 0 if not any(v == "FAILED" for _, v, _ in ROWS) else 1
+            assert torch.cuda.is_available(), "no CUDA device"
+            print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+            copy = [0.0]
+            section("copy bandwidth", 5, deadline, lambda: copy.__setitem__(0, copy_bandwidth()))
+            if copy[0]:
+                section("decode attention", 15, deadline, decode_attention_rows, copy[0])
+            section("engine", 60, deadline, lambda: engine_rows(
+                random_checkpoint(SMOLLM2_135M, BF16, Path(tmp, "smollm2-shapes")), "cuda",
+                "bfloat16", 128, 128, 64))
+            section("model decode step", 30, deadline, model_rows)
+    finally:
+        print_table()
+    return 1 if any(v == "FAILED" for _, v, _ in ROWS) else 0
 
 
 if __name__ == "__main__":

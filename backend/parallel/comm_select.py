@@ -1,0 +1,61 @@
+"""The one place that picks a tensor-parallel rank's device and communicator by the group's device.
+
+CPU: the shared-memory one-shot all-reduce (shm_comm.py) with a gloo group for oversized
+messages; rank 0 creates the segment before it starts the workers, who attach by name.
+CUDA: rank r runs on the r-th GPU after the group's first one (device "cuda:N": N + r; "cuda":
+r, i.e. of the visible devices) and talks through GpuCommunicator (NCCL + symmetric memory).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from backend.parallel.context import Communicator
+from backend.parallel.shm_comm import ShmCommunicator
+
+if TYPE_CHECKING:
+    from backend.parallel.group import WorkerSpec
+
+
+def on_gpu(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where tensor-parallel rank `rank` of a group on `device` runs."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", (d.index or 0) + rank)
+
+
+def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
+                  peers_alive: Callable[[], bool]) -> ShmCommunicator | None:
+    """Rank 0, before the workers start: the CPU path's shared-memory segment; None on GPU."""
+    if on_gpu(spec.device):
+        return None
+    return ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, spec.world,
+                           spec.slot_bytes, dtype, create=True, peers_alive=peers_alive)
+
+
+def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
+            timeout: datetime.timedelta, peers_alive: Callable[[], bool],
+            segment: ShmCommunicator | None = None) -> Communicator:
+    """This rank's communicator; every rank calls it once all ranks are started (it forms the
+    process group through `store`). Rank 0 passes the segment from local_segment."""
+    if on_gpu(spec.device):
+        from backend.parallel.gpu_comm import GpuCommunicator
+        return GpuCommunicator(spec.rank, spec.world, rank_device(spec.device, spec.rank), store,
+                               dtype, timeout)
+    fallback = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+    if segment is None:
+        return ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
+                               create=False, fallback=fallback, peers_alive=peers_alive)
+    segment._fallback = fallback
+    return segment
