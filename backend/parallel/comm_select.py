@@ -4,6 +4,8 @@ CPU: the shared-memory one-shot all-reduce (shm_comm.py) with a gloo group for o
 messages; rank 0 creates the segment before it starts the workers, who attach by name.
 CUDA: rank r runs on the r-th GPU after the group's first one (device "cuda:N": N + r; "cuda":
 r, i.e. of the visible devices) and talks through GpuCommunicator (NCCL + symmetric memory).
+TPLLM_TP_TRANSPORT=gloo (CPU): every collective through gloo library calls, the transport
+between hosts (gloo_comm.py); measurable on one host, e.g. `bench tp` with and without it.
 """
 from __future__ import annotations
 
@@ -35,10 +37,21 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (d.index or 0) + rank)
 
 
+TRANSPORT_ENV = "TPLLM_TP_TRANSPORT"
+
+
+def cpu_transport() -> str:
+    value = os.environ.get(TRANSPORT_ENV, "shm").strip().lower() or "shm"
+    if value not in ("shm", "gloo"):
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: must be shm or gloo")
+    return value
+
+
 def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
                   peers_alive: Callable[[], bool]) -> ShmCommunicator | None:
-    """Rank 0, before the workers start: the CPU path's shared-memory segment; None on GPU."""
-    if on_gpu(spec.device):
+    """Rank 0, before the workers start: the CPU path's shared-memory segment; None on GPU or
+    with the gloo transport."""
+    if on_gpu(spec.device) or cpu_transport() == "gloo":
         return None
     return ShmCommunicator(f"tpllm_{os.getpid()}_{secrets.token_hex(4)}", 0, spec.world,
                            spec.slot_bytes, dtype, create=True, peers_alive=peers_alive)
@@ -54,6 +67,9 @@ def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
         return GpuCommunicator(spec.rank, spec.world, rank_device(spec.device, spec.rank), store,
                                dtype, timeout)
     fallback = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+    if cpu_transport() == "gloo":
+        from backend.parallel.gloo_comm import GlooCommunicator
+        return GlooCommunicator(fallback, spec.rank, spec.world)
     if segment is None:
         return ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
                                create=False, fallback=fallback, peers_alive=peers_alive)

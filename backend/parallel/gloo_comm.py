@@ -1,0 +1,49 @@
+"""Collectives through the process group's library calls (gloo): the transport between hosts,
+where shared memory does not reach.
+
+On one host it is selectable with TPLLM_TP_TRANSPORT=gloo (comm_select.py), so the multi-host
+transport runs and is measured here: its fixed cost per call (~240 us for 576 floats on this
+machine, against ~3 us over shared memory) is what seed 000's TP4-slower-than-TP2 is made of.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class GlooCommunicator:
+    def __init__(self, pg: dist.ProcessGroup, rank: int, world: int):
+        self.pg, self.rank, self.world = pg, rank, world
+        self.seconds = 0.0  # time spent inside collectives (waiting included)
+        self.calls = 0
+
+    @property
+    def name(self) -> str:
+        return ""  # no shared segment to attach to
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = x.contiguous().clone()
+        self.pg.allreduce([out]).wait()
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Every rank's [rows, sizes[rank]] concatenated on the last dim, on rank 0 only. Shards
+        are padded to the widest (gloo's all-gather needs one shape), then trimmed."""
+        t0 = time.perf_counter()
+        rows, width = x.shape[0], max(sizes)
+        padded = x.new_zeros(rows, width)
+        padded[:, :x.shape[1]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        self.pg.allgather([parts], [padded]).wait()
+        out = torch.cat([p[:, :s] for p, s in zip(parts, sizes)], dim=1) if self.rank == 0 else None
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def close(self, unlink: bool = False) -> None:
+        self.pg = None
