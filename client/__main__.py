@@ -45,6 +45,9 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/tp-<ts>.json)")
+    p.add_argument("--transports", default="shm",
+                   help="TP collectives: shm (one host), gloo (the between-hosts library path), "
+                        "or both: shm,gloo")
     p.add_argument("--server", action="store_true",
                    help="also run every layout through a fresh tritonserver (gRPC streaming)")
     p.add_argument("--seed", type=int, default=0)
@@ -88,11 +91,20 @@ def _cmd_serving(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.chat", max_tokens=256)
 
 
+def _cmd_soak(sub: argparse._SubParsersAction) -> None:
+    from client.soak import add_arguments
+    p = sub.add_parser("soak", help="long mixed load (streaming or not, cancelled, invalid) "
+                                    "against the server: errors, KV and memory at the end")
+    add_arguments(p)
+    p.set_defaults(runner="client.soak")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _cmd_bench(sub)
     _cmd_serving(sub)
+    _cmd_soak(sub)
     return parser
 
 

@@ -29,7 +29,8 @@ def _layouts(tps: list[int], threads: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_layout(args, tp: int, threads: int) -> dict:
+def run_layout(args, tp: int, threads: int, transport: str = "shm") -> dict:
+    os.environ["TPLLM_TP_TRANSPORT"] = transport  # read by the group (workers inherit it)
     llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=tp, num_threads=threads,
               pin_cpus=args.pin, max_num_batched_tokens=max(2048, args.input_len),
               kv_cache_memory_gb=1.0)
@@ -54,7 +55,7 @@ def run_layout(args, tp: int, threads: int) -> dict:
                     "tpot_s": (m["e2e_s"] - m["ttft_s"]) / max(1, args.output_len - 1),
                     "model_s": m["model_s"], "collective_s": m["collective_s"],
                     "collective_calls_per_step": ((comm.calls - calls0) / steps) if comm else 0})
-        return {"tp": tp, "threads_per_rank": threads, "runs": runs,
+        return {"tp": tp, "threads_per_rank": threads, "transport": transport, "runs": runs,
                 **{k: bu.summarize([r[k] for r in runs]) for k in runs[0]}}
     finally:
         llm.close()
@@ -68,7 +69,10 @@ def report(info: dict, results: list[dict], args) -> str:
         coll, model = r["collective_s"]["median"], r["model_s"]["median"]
         calls = r["collective_calls_per_step"]["median"]
         per_call = 1e6 * coll / max(1.0, calls * (args.output_len + 1))
-        rows.append([f"TP{r['tp']} x {r['threads_per_rank']} thr",
+        label = f"TP{r['tp']} x {r['threads_per_rank']} thr"
+        if r["tp"] > 1 and r.get("transport", "shm") != "shm":
+            label += f" ({r['transport']})"
+        rows.append([label,
                      bu.fmt_spread(r["ttft_s"], 1e3), bu.fmt_spread(r["tpot_s"], 1e3),
                      bu.fmt_spread(r["e2e_s"], 1e3), f"{100 * coll / model:.0f}%",
                      f"{calls:.0f}", f"{per_call:.1f}"])
@@ -77,7 +81,8 @@ def report(info: dict, results: list[dict], args) -> str:
     text = [bu.header_line(info), "", bu.table(
         title, ["layout", "TTFT ms", "TPOT ms", "e2e ms", "in collectives", "calls/step",
                 "us/call"], rows)]
-    by = {(r["tp"], r["threads_per_rank"]): r["e2e_s"]["median"] for r in results}
+    by = {(r["tp"], r["threads_per_rank"]): r["e2e_s"]["median"] for r in results
+          if r.get("transport", "shm") == "shm"}
     if (1, 1) in by and (2, 1) in by:
         text.append(f"\n  TP2x1 / TP1x1 e2e: {by[(2, 1)] / by[(1, 1)]:.2f} (target <= 0.6)")
     if (1, 2) in by and (2, 1) in by:
@@ -89,9 +94,12 @@ def main(args: argparse.Namespace) -> int:
     tps = [int(t) for t in args.tp.split(",")]
     results = []
     info = None
+    transports = args.transports.split(",")
     for tp, threads in _layouts(tps, args.threads_per_rank):
-        print(f"running TP{tp} x {threads} thread(s) per rank ...", flush=True)
-        results.append(run_layout(args, tp, threads))
+        for transport in (transports if tp > 1 else ["shm"]):
+            print(f"running TP{tp} x {threads} thread(s) per rank ({transport}) ...", flush=True)
+            results.append(run_layout(args, tp, threads, transport))
+    os.environ.pop("TPLLM_TP_TRANSPORT", None)
         info = info or bu.run_info(threads, args.dtype, str(args.model or "embedded default"))
     text = report(info, results, args)
     print(text)

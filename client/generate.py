@@ -114,9 +114,7 @@ def generate_http(fields: dict, url: str, model: str, on_text=None, timeout: flo
                 raise ServerError(body.get("error", f"HTTP {resp.status}"))
             events = [body]
         else:
-            if resp.status != 200:
-                raise ServerError(json.loads(resp.read() or b"{}").get("error", f"HTTP {resp.status}"))
-            events = _sse(resp)
+            events = _sse(resp)  # an error is an event too (status 400 when it comes first)
         for ev in events:
             if "error" in ev:
                 raise ServerError(ev["error"])
@@ -137,6 +135,10 @@ def _sse(resp):
         line = raw.decode("utf-8").strip()
         if line.startswith("data:"):
             yield json.loads(line[5:])
+        elif line.startswith("{"):  # a plain JSON error (e.g. an unknown model)
+            yield json.loads(line)
+    if resp.status != 200:
+        yield {"error": f"HTTP {resp.status}"}
 
 
 def generate(fields: dict, protocol: str = "grpc", url: str | None = None, model: str = "llm",

@@ -58,16 +58,19 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 
 class Server:
-    def __init__(self, repo: Path, log_path: Path, extra: list[str] = ()):
+    def __init__(self, repo: Path, log_path: Path, extra: list[str] = (), env: dict | None = None,
+                 wrap: list[str] = ()):
+        """`env`: the launcher's environment (default: this one); `wrap`: a command prefix
+        (e.g. strace) for the launcher."""
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "backend.serve", "--model-repository", str(repo),
+        cmd = [*wrap, sys.executable, "-m", "backend.serve", "--model-repository", str(repo),
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--metrics-port", str(self.metrics_port), *extra]
         self._log = open(log_path, "wb")
         # Own session: the launcher execs tritonserver, whose stubs share its process group.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.pgid = self.proc.pid
 
     @property

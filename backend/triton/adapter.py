@@ -181,4 +181,18 @@ class TritonLLMModel:
         self.engine.shutdown()  # in-flight requests get a final 'abort' output with an error
         self.responder.stop()
         self.llm.close()  # tensor-parallel workers
+        _stop_resource_tracker()
         log.info("unloaded; %s", self.responder.delivery_summary())
+
+
+def _stop_resource_tracker() -> None:
+    """Tensor parallelism started multiprocessing's resource tracker as a child of this stub.
+    Stop and reap it now: left alone it exits only after the stub, reparented to PID 1, and stays a
+    zombie where PID 1 does not reap (containers)."""
+    try:
+        from multiprocessing import resource_tracker
+        tracker = resource_tracker._resource_tracker
+        if getattr(tracker, "_fd", None) is not None:
+            tracker._stop()  # closes its pipe (it unlinks what is still registered) and waits
+    except Exception as e:  # a private API: never fail the unload over it
+        log.debug("resource tracker not stopped: %s", e)

@@ -185,7 +185,10 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
         for k, v in _sampling_json(inputs["sampling_parameters"]).items():
             if v is not None:
                 name = f"sampling_parameters.{k}"
-                values[FIELDS[k][1]] = (name, convert(name, FIELDS[k][0], v))
+                kind = FIELDS[k][0]
+                if isinstance(v, list) and kind not in ("strs", "ints"):  # JSON, not a tensor
+                    raise ValueError(f"{name}: must be a single value, not a list ({v!r})")
+                values[FIELDS[k][1]] = (name, convert(name, kind, v))
     for k, v in (parameters or {}).items():
         if k in FIELDS:
             values[FIELDS[k][1]] = (k, convert(k, FIELDS[k][0], v))

@@ -47,15 +47,21 @@ def offline():
 
 @pytest.fixture(scope="session")
 def greedy(offline):
-    """greedy(prompt, max_tokens, ignore_eos=False) -> the offline text (cached)."""
+    """greedy(prompt, max_tokens, ignore_eos=False) -> the offline text (cached);
+    greedy.many(prompts, max_tokens, ignore_eos=False) -> their texts, run as one batch."""
     from backend import SamplingParams
     cache: dict = {}
 
+    def many(prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[str]:
+        todo = [p for p in dict.fromkeys(prompts) if (p, max_tokens, ignore_eos) not in cache]
+        if todo:
+            outs = offline.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                         ignore_eos=ignore_eos))
+            for p, o in zip(todo, outs):
+                cache[(p, max_tokens, ignore_eos)] = o.text
+        return [cache[(p, max_tokens, ignore_eos)] for p in prompts]
+
     def run(prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
-        key = (prompt, max_tokens, ignore_eos)
-        if key not in cache:
-            out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                            ignore_eos=ignore_eos))
-            cache[key] = out[0].text
-        return cache[key]
+        return many([prompt], max_tokens, ignore_eos)[0]
+    run.many = many
     return run

@@ -1,7 +1,8 @@
-"""instance_group count: 2 serves from two replicas; SIGINT with streams in flight ends every
-stream (final response or error) and leaves no process behind."""
+"""instance_group count: 2 serves from two replicas; SIGINT or SIGTERM with streams in flight ends
+every stream (final response or error) and leaves no process or shared-memory segment behind."""
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from client.generate import generate, grpc_inputs
+from tests.integration import proctree
 from tests.integration.conftest import BASE_PARAMS, NO_WARMUP, Server, make_repo
 
 pytestmark = pytest.mark.integration
@@ -38,8 +40,12 @@ def test_two_replicas_serve(start_server, greedy):
     assert srv.group_alive() == []
 
 
-def test_sigint_with_streams_in_flight(start_server):
-    srv = start_server("sigint", params=NO_WARMUP, extra=["--exit-timeout-secs", "5"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_with_streams_in_flight(start_server, sig):
+    """TP 2, so the tensor-parallel worker and its shared-memory segment are part of the check."""
+    srv = start_server(f"shutdown_{sig.name}", params={**NO_WARMUP, "tensor_parallel_size": "2",
+                                                        "num_threads": "1"},
+                       extra=["--exit-timeout-secs", "5"])
     import tritonclient.grpc as grpcclient
     endings: list = []
     clients = []
@@ -54,7 +60,13 @@ def test_sigint_with_streams_in_flight(start_server):
     for _, q in clients:  # every stream is producing
         result, error = q.get(timeout=60)
         assert error is None, (error.status(), error.message(), srv.log())
-    srv.proc.send_signal(signal.SIGINT)
+    pids = proctree.tree(srv.proc.pid)
+    ids = proctree.identities(pids)
+    roles = {p: proctree.role(p) for p in pids}
+    shm = proctree.shm_segments(pids)
+    assert {proctree.role(p) for p in pids} >= {"launcher", "tritonserver", "stub", "tp_worker"}
+    assert any("/tpllm_" in s for s in shm) and any("triton_python_backend_shm" in s for s in shm), shm
+    srv.proc.send_signal(sig)
     for c, q in clients:
         deadline = time.monotonic() + 60
         ending = None
@@ -71,11 +83,17 @@ def test_sigint_with_streams_in_flight(start_server):
         c.stop_stream()
         c.close()
     assert all(e is not None for e in endings), endings
-    srv.proc.wait(60)
+    assert srv.proc.wait(60) == 0, srv.log()
     time.sleep(0.5)
+    left = proctree.still_alive(ids)
+    assert left == [], [(roles[p], p, st) for p, st, _ in left]  # no orphan, no zombie
     assert srv.group_alive() == [], srv.log()
-    log = srv.log(20000)
-    assert "unloading: 3 request(s) in flight" in log or "successfully unloaded" in log
+    assert [s for s in shm if os.path.exists(s)] == [], "shared memory left behind"
+    log = srv.log(50000)
+    assert "aborted 3 request(s) still in flight" in log or \
+        "unloading: 3 request(s) in flight" in log, log
+    assert "successfully unloaded" in log, log
+    assert "Exit timeout expired" not in log
 
 
 def test_load_error_says_why(tmp_path):
