@@ -99,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
         for transport in (transports if tp > 1 else ["shm"]):
             print(f"running TP{tp} x {threads} thread(s) per rank ({transport}) ...", flush=True)
             results.append(run_layout(args, tp, threads, transport))
+            info = info or bu.run_info(threads, args.dtype, str(args.model or "embedded default"))
     os.environ.pop("TPLLM_TP_TRANSPORT", None)
-        info = info or bu.run_info(threads, args.dtype, str(args.model or "embedded default"))
     text = report(info, results, args)
     print(text)
     served = []
