@@ -36,3 +36,21 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     names = [r["name"] for r in data["ratios"]]
     assert len(names) == 5 and all(r["verdict"] in ("PASS", "MISS", "n/a") for r in data["ratios"])
     assert "(a) concurrency 1" in proc.stdout and "(b) 8 requests" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_tp_smoke(tmp_path: Path) -> None:
+    """`bench tp` end to end at toy sizes: TP1 with 1 and 2 threads, TP2 over both transports."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "tp", "--tp", "1,2", "--input-len", "24",
+         "--output-len", "3", "--repeats", "1", "--transports", "shm,gloo",
+         "--wait-policy", "passive", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    layouts = [(r["tp"], r["threads_per_rank"], r["transport"]) for r in data["results"]]
+    assert layouts == [(1, 1, "shm"), (1, 2, "shm"), (2, 1, "shm"), (2, 1, "gloo")]
+    tp2 = [r for r in data["results"] if r["tp"] == 2]
+    assert all(r["collective_s"]["median"] > 0 for r in tp2)
+    assert "TP2x1 / TP1x1 e2e" in proc.stdout and "(gloo)" in proc.stdout

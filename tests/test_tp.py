@@ -149,3 +149,15 @@ def test_gloo_transport_matches_shared_memory(tmp_path, monkeypatch):
         assert isinstance(comm, GlooCommunicator)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == want
         assert comm.calls > 0 and comm.seconds > 0
+
+
+def test_warmup_with_few_sequences(tmp_path):
+    """Warmup's mixed steps sample no more rows than max_num_seqs: the TP logits gather is sized
+    for that many (was: 9 rows against a slot for 2)."""
+    make_tiny_checkpoint("llama", tmp_path)
+    with LLM(model=str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32, block_size=8,
+             max_num_seqs=2, max_num_batched_tokens=64) as llm:
+        assert llm.stats["warmup_seconds"] > 0
+        out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert [len(o.token_ids) for o in out] == [3, 3]
+        assert llm.engine.cold_path.total == 0

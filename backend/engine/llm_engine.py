@@ -160,7 +160,7 @@ class LLMEngine:
         slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,
                                                   c.max_num_seqs * vocab_shard)
         self.group = TPGroup(WorkerSpec(
-            rank=0, world=tp, store_port=0, shm_name="", slot_bytes=slot_bytes,
+            rank=0, world=tp, store_path="", shm_name="", slot_bytes=slot_bytes,
             model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
             block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
             cpu=0 if c.pin_cpus else None, device=str(self.device),

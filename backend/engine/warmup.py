@@ -29,10 +29,13 @@ def decode_step(rows: int) -> StepInputs:
                       decode_context_lens=np.ones(rows, dtype=np.int64))
 
 
-def mixed_step(tokens: int, num_blocks: int, block_size: int, max_len: int) -> StepInputs:
-    """A few decode rows plus one prompt chunk filling the rest of `tokens`. The chunk's blocks
-    cycle over the (still empty) pool: their contents do not matter, their shapes do."""
-    d = min(8, tokens // 2)
+def mixed_step(tokens: int, num_blocks: int, block_size: int, max_len: int,
+               max_rows: int = 9) -> StepInputs:
+    """A few decode rows plus one prompt chunk filling the rest of `tokens`, sampling at most
+    `max_rows` rows (max_num_seqs: a real step never samples more, and the TP logits gather is
+    sized for it). The chunk's blocks cycle over the (still empty) pool: their contents do not
+    matter, their shapes do."""
+    d = min(8, tokens // 2, max_rows - 1)
     n = tokens - d
     pos = np.arange(n) % max_len
     table = 1 + np.arange(-(-n // block_size)) % num_blocks
@@ -55,7 +58,8 @@ def warm_up(engine) -> float:
     # Largest decode bucket first: on CUDA each one's graph is captured here, and the smaller
     # graphs then reuse the largest one's memory pool.
     steps = [decode_step(b) for b in reversed(plan.decode_sizes)]
-    steps += [mixed_step(t, kv.num_blocks, kv.block_size, engine.max_model_len)
+    steps += [mixed_step(t, kv.num_blocks, kv.block_size, engine.max_model_len,
+                         engine.config.max_num_seqs)
               for t in plan.token_sizes]
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)

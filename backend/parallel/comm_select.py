@@ -57,6 +57,21 @@ def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
                            spec.slot_bytes, dtype, create=True, peers_alive=peers_alive)
 
 
+class LazyGloo:
+    """The gloo group for messages too large for shared memory, formed at the first one: every
+    rank reaches that collective together (same model, same step), so they form it together.
+    Until then no rank opens a socket (the slots are sized so that it normally never happens)."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout: datetime.timedelta):
+        self._args = (store, rank, world, timeout)
+        self._pg: dist.ProcessGroupGloo | None = None
+
+    def allreduce(self, tensors: list[torch.Tensor]):
+        if self._pg is None:
+            self._pg = dist.ProcessGroupGloo(*self._args)
+        return self._pg.allreduce(tensors)
+
+
 def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
             timeout: datetime.timedelta, peers_alive: Callable[[], bool],
             segment: ShmCommunicator | None = None) -> Communicator:
@@ -66,10 +81,11 @@ def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
         from backend.parallel.gpu_comm import GpuCommunicator
         return GpuCommunicator(spec.rank, spec.world, rank_device(spec.device, spec.rank), store,
                                dtype, timeout)
-    fallback = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
     if cpu_transport() == "gloo":
         from backend.parallel.gloo_comm import GlooCommunicator
-        return GlooCommunicator(fallback, spec.rank, spec.world)
+        return GlooCommunicator(dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout),
+                                spec.rank, spec.world)
+    fallback = LazyGloo(store, spec.rank, spec.world, timeout)
     if segment is None:
         return ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
                                create=False, fallback=fallback, peers_alive=peers_alive)

@@ -1,9 +1,10 @@
 """A tensor-parallel group on one host: rank 0 lives in this process, ranks 1..N-1 are worker
 processes it starts and owns.
 
-Start-up: rank 0 opens a TCP store on a free loopback port and the shared-memory segment, then
-spawns the workers (same Python, `spawn` start method). Every rank forms a gloo process group
-through the store (the fallback for messages too large for shared memory), loads only its own
+Start-up: rank 0 creates the rendezvous store (a torch FileStore in a private temp directory: no
+port is opened) and the shared-memory segment, then spawns the workers (same Python, `spawn`
+start method). The gloo fallback group for messages too large for shared memory is formed
+through the store only if such a message ever comes (comm_select.LazyGloo). Every rank loads only its own
 weight shards and allocates its own KV cache. Each step, rank 0 sends the step's inputs to every
 worker as one pickled message over a pipe; all ranks then run the same forward pass, meeting in
 the collectives. Workers exit when rank 0 says so, when their pipe closes (rank 0 died), or when
@@ -16,7 +17,9 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,7 @@ class WorkerSpec:
     """Everything a worker needs to build its rank (picklable)."""
     rank: int
     world: int
-    store_port: int
+    store_path: str  # the FileStore rendezvous file
     shm_name: str
     slot_bytes: int
     model_dir: str
@@ -80,15 +83,17 @@ class TPGroup:
         self.ctx.comm = self.comm
         self.closed = False
         timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, wait_for_workers=False,
-                                    timeout=timeout)
+        self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
+        store_path = os.path.join(self._store_dir, "store")
+        self._store = dist.FileStore(store_path, self.world)
+        self._store.set_timeout(timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
         from backend.parallel.worker import worker_main
         for rank in range(1, self.world):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(**{**self.spec.__dict__, "rank": rank,
-                                 "store_port": self._store.port,
+                                 "store_path": store_path,
                                  "shm_name": self.comm.name if self.comm else "",
                                  "cpu": None if self.spec.cpu is None else rank % os.cpu_count()})
             proc = ctx.Process(target=worker_main, args=(spec, child, os.getpid()),
@@ -157,4 +162,5 @@ class TPGroup:
         if self.comm is not None:
             self.comm.close(unlink=True)
         self._store = None
+        shutil.rmtree(self._store_dir, ignore_errors=True)
         log.info("tensor-parallel workers stopped")

@@ -33,7 +33,8 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timeout)
+    store = dist.FileStore(spec.store_path, spec.world)
+    store.set_timeout(timeout)
     comm = connect(spec, store, dtype, timeout, peers_alive=lambda: os.getppid() == parent_pid)
     ctx = ParallelContext(spec.rank, spec.world, comm)
     model_dir = Path(spec.model_dir)

@@ -120,10 +120,6 @@ def tp2(tmp_path_factory):
         srv.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="the TP group's rendezvous is a torch TCPStore, which "
-                   "listens on all interfaces (::) whatever host it is given, and every rank's "
-                   "gloo fallback group listens on a loopback port (backend/parallel/group.py, "
-                   "worker.py: a FileStore and a lazily created fallback would open none)")
 def test_tp_group_listens_on_no_port(tp2):
     srv, _ = tp2
     pids = proctree.tree(srv.proc.pid)
