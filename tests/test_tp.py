@@ -161,3 +161,22 @@ def test_warmup_with_few_sequences(tmp_path):
         out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
         assert [len(o.token_ids) for o in out] == [3, 3]
         assert llm.engine.cold_path.total == 0
+
+
+@pytest.mark.parametrize("inter, heads, kv, world", [(1536, 9, 3, 2), (1536, 9, 3, 4),
+                                                     (64, 6, 2, 4), (128, 8, 8, 2), (10, 9, 3, 8)])
+def test_mlp_rows_balance_weight_bytes(inter, heads, kv, world):
+    """Contiguous, complete, and the ranks' weights per layer as even as whole rows allow."""
+    from backend.parallel.partition import HeadPartition, balanced_mlp_rows
+    d = 64
+    ranges = [balanced_mlp_rows(inter, heads, kv, d, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == inter
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:] + [(inter, inter)]))
+    parts = [HeadPartition.build(heads, kv, r, world) for r in range(world)]
+    load = [2 * d * (p.num_q + p.num_kv) + 3 * (e - s) for p, (s, e) in zip(parts, ranges)]
+    if all(e > s for s, e in ranges):  # not clamped at zero rows
+        assert max(load) - min(load) <= 3 * (world + 1)
+    if heads % world == 0 and kv % world == 0:
+        assert len({e - s for s, e in ranges}) == 1  # even heads: the plain even split
+    if (inter, heads, kv, world) == (1536, 9, 3, 2):
+        assert ranges == [(0, 789), (789, 1536)]  # SmolLM2 TP2: 4 heads + 789 rows, 5 + 747

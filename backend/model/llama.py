@@ -12,7 +12,7 @@ from backend.model.config import ModelConfig
 from backend.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
-from backend.parallel.partition import split_range
+from backend.parallel.partition import balanced_mlp_rows
 from kernels import reference, select_ops
 
 # checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
@@ -30,7 +30,8 @@ class MLP(nn.Module):
                  ops: ModuleType = reference):
         super().__init__()
         self.ops = ops
-        rows = split_range(cfg.intermediate_size, ctx.rank, ctx.world_size)
+        rows = balanced_mlp_rows(cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                                 cfg.head_dim, ctx.rank, ctx.world_size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": rows, "up": rows},
                                                  bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,

@@ -17,8 +17,13 @@ from tests.integration.conftest import BASE_PARAMS, NO_WARMUP, Server, make_repo
 pytestmark = pytest.mark.integration
 
 
-def test_two_replicas_serve(start_server, greedy):
-    srv = start_server("replicas", params={"num_threads": "1", **NO_WARMUP}, count=2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_replicas_serve(start_server, greedy, tp):
+    """With TP 2 each replica owns its own group: two workers, two segments, one answer."""
+    srv = start_server(f"replicas_tp{tp}", params={"num_threads": "1", **NO_WARMUP,
+                                                   "tensor_parallel_size": str(tp)}, count=2)
+    workers = [p for p in proctree.tree(srv.proc.pid) if proctree.role(p) == "tp_worker"]
+    assert len(workers) == 2 * (tp - 1), [(p, proctree.role(p)) for p in proctree.tree(srv.proc.pid)]
     prompts = [f"Count with me: {i}, {i + 1}," for i in range(8)]
     results: list = [None] * len(prompts)
 
