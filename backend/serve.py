@@ -110,7 +110,8 @@ def server_env(dist: Path | None) -> dict[str, str]:
     return env
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (every thread's list)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
@@ -133,7 +134,7 @@ def run_server(cmd: list[str], env: dict[str, str]) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):
-        for pid in [proc.pid, *_children(proc.pid)]:  # the server and its stubs
+        for pid in [proc.pid, *child_pids(proc.pid)]:  # the server and its stubs
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:

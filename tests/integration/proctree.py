@@ -7,15 +7,10 @@ import socket
 import struct
 from pathlib import Path
 
+from backend.serve import child_pids
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(x) for x in task.read_text().split()]
-        except OSError:
-            pass
-    return out
+
+children = child_pids  # direct children, from /proc
 
 
 def tree(root: int) -> list[int]:
