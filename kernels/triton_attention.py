@@ -42,6 +42,23 @@ def _kv_tile(base_ptr, table_ptr, tok, tmask, block_size, stride_blk, stride_slo
 
 
 @triton.jit
+def _online_softmax_tile(q, k_base, v_base, table, tok, tmask, smask, block_size, stride_kb,
+                         stride_ks, stride_vb, stride_vs, d, dmask, scale_log2, m_i, l_i, acc,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One KV tile of flash attention (decode and prefill share it): scores of q's rows against
+    the tile, masked by `smask`, folded into the running max, sum and unnormalised output."""
+    k = _kv_tile(k_base, table, tok, tmask, block_size, stride_kb, stride_ks, d, dmask)
+    s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
+    s = tl.where(smask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = _kv_tile(v_base, table, tok, tmask, block_size, stride_vb, stride_vs, d, dmask)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, kv_index_ptr, out_ptr, part_ptr,
                    ml_ptr, scale_log2, block_size, n_q_heads,
                    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -75,18 +92,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, kv_index_ptr, out_p
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        k = _kv_tile(k_ptr + kvh * stride_kh, table, tok, tmask, block_size, stride_kb, stride_ks,
-                     d, dmask)
-        s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = _kv_tile(v_ptr + kvh * stride_vh, table, tok, tmask, block_size, stride_vb, stride_vs,
-                     d, dmask)
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, PRECISION, UPCAST)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(
+            q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table, tok, tmask, tmask[None, :],
+            block_size, stride_kb, stride_ks, stride_vb, stride_vs, d, dmask, scale_log2, m_i, l_i,
+            acc, PRECISION, UPCAST)
     omask = hmask[:, None] & dmask[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty (padding) rows give 0
@@ -200,18 +209,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len
     for t0 in range(0, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        k = _kv_tile(k_ptr + kvh * stride_kh, table, tok, tmask, block_size, stride_kb, stride_ks,
-                     d, dmask)
-        s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
-        s = tl.where(tmask[None, :] & (tok[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = _kv_tile(v_ptr + kvh * stride_vh, table, tok, tmask, block_size, stride_vb, stride_vs,
-                     d, dmask)
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, PRECISION, UPCAST)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(
+            q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table, tok, tmask, tmask[None, :] & (tok[None, :] <= qpos[:, None]),
+            block_size, stride_kb, stride_ks, stride_vb, stride_vs, d, dmask, scale_log2, m_i, l_i,
+            acc, PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
