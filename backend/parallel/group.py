@@ -122,7 +122,13 @@ class TPGroup:
                                        f"(exit code {self._procs[rank - 1].exitcode})")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"tensor-parallel rank {rank} not ready in {timeout:.0f}s")
-            status, detail = conn.recv()
+            try:
+                status, detail = conn.recv()
+            except (EOFError, OSError):  # it died before reporting (e.g. a failed spawn)
+                self._procs[rank - 1].join(1.0)
+                raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up (exit "
+                                   f"code {self._procs[rank - 1].exitcode}); its stderr says why"
+                                   ) from None
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 

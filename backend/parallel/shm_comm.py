@@ -49,10 +49,12 @@ class ShmCommunicator:
         self._flags = np.ndarray((world, _LINE // 8), dtype=np.int64, buffer=buf)
         if create:
             self._flags[:] = 0
+        self._flag_col = self._flags[:, 0]  # every rank's last posted sequence number
         self.slot_elems = slot_bytes // dtype.itemsize
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=world * _LINE,
                                 count=2 * world * slot_bytes)
         self._slots = data.view(dtype).view(2, world, self.slot_elems)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._seq = 0
         self._fallback = fallback
         self._peers_alive = peers_alive
@@ -73,8 +75,8 @@ class ShmCommunicator:
             out = x.contiguous().clone()
             self._fallback.allreduce([out]).wait()
         else:
-            slots = self._post(x)
-            out = slots[:, :n].sum(dim=0).view(x.shape)
+            _, used = self._post(x)
+            out = used.sum(dim=0).view(x.shape)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -85,7 +87,7 @@ class ShmCommunicator:
         rows = x.shape[0]
         if rows * max(sizes) > self.slot_elems or x.dtype != self.dtype:
             raise ValueError(f"gather of {rows}x{max(sizes)} exceeds the shared-memory slot")
-        slots = self._post(x, wait=self.rank == 0)
+        slots, _ = self._post(x, wait=self.rank == 0)
         out = None
         if self.rank == 0:
             out = torch.cat([slots[r, :rows * s].view(rows, s) for r, s in enumerate(sizes)], dim=1)
@@ -93,18 +95,25 @@ class ShmCommunicator:
         self.calls += 1
         return out
 
-    def _post(self, x: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    def _post(self, x: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Publish x as collective `seq`; returns (the buffer's slots, every rank's first
+        x.numel() elements). The views are cached per (buffer, size): a decode step repeats a
+        handful of sizes, and building views costs more than the copy."""
         self._seq += 1
         seq = self._seq
-        slots = self._slots[seq & 1]
-        slots[self.rank, :x.numel()].copy_(x.reshape(-1))
+        n = x.numel()
+        views = self._views.get((seq & 1, n))
+        if views is None:
+            slots = self._slots[seq & 1]
+            views = self._views[(seq & 1, n)] = (slots, slots[:, :n], slots[self.rank, :n])
+        views[2].copy_(x.reshape(-1))
         self._flags[self.rank, 0] = seq
         if wait:
             self._wait_all(seq)
-        return slots
+        return views[0], views[1]
 
     def _wait_all(self, seq: int) -> None:
-        flags = self._flags[:, 0]
+        flags = self._flag_col
         spins = 0
         while (flags < seq).any():
             spins += 1
@@ -128,7 +137,8 @@ class ShmCommunicator:
                                 f"{self._timeout_s:.0f}s")
 
     def close(self, unlink: bool = False) -> None:
-        self._slots = self._flags = None  # drop views before closing the mapping
+        self._slots = self._flags = self._flag_col = None  # drop views before unmapping
+        self._views.clear()
         try:
             self._shm.close()
         except BufferError:
