@@ -180,3 +180,27 @@ def test_mlp_rows_balance_weight_bytes(inter, heads, kv, world):
         assert len({e - s for s, e in ranges}) == 1  # even heads: the plain even split
     if (inter, heads, kv, world) == (1536, 9, 3, 2):
         assert ranges == [(0, 789), (789, 1536)]  # SmolLM2 TP2: 4 heads + 789 rows, 5 + 747
+
+
+def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
+    """A group that fails half-way through its start (workers spawned, communicator not formed)
+    raises, and removes its workers, shared-memory segment and rendezvous directory (before, the
+    engine never got the half-built group to close, and all three leaked)."""
+    import tempfile
+
+    from backend.parallel import group
+
+    def broken_connect(*args, **kwargs):
+        raise RuntimeError("no communicator today")
+
+    make_tiny_checkpoint("llama", tmp_path / "model")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(group, "connect", broken_connect)
+    shm_before = set(os.listdir("/dev/shm"))
+    children_before = set(mp.active_children())
+    with pytest.raises(RuntimeError, match="no communicator today"):
+        LLM(model=str(tmp_path / "model"), tensor_parallel_size=2, num_kv_blocks=16,
+            warmup=False)
+    assert not list(tmp_path.glob("tpllm-tp-*"))
+    assert {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("tpllm_")} == set()
+    assert set(mp.active_children()) - children_before == set()

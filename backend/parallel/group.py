@@ -78,12 +78,21 @@ class TPGroup:
     def _start(self) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
+        self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
+        self.comm = None
+        self.closed = False
+        try:  # a start that fails half-way still removes what it made (segment, store, workers)
+            self._spawn_workers()
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor-parallel group of %d formed (workers %s)", self.world, self.worker_pids)
+
+    def _spawn_workers(self) -> None:
         # communicator by device (comm_select): the CPU segment now, the rest once workers run
         self.comm = local_segment(self.spec, self.dtype, self.workers_alive)
         self.ctx.comm = self.comm
-        self.closed = False
         timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
-        self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
         store_path = os.path.join(self._store_dir, "store")
         self._store = dist.FileStore(store_path, self.world)
         self._store.set_timeout(timeout)
@@ -104,7 +113,6 @@ class TPGroup:
             self._conns.append(parent)
         self.comm = self.ctx.comm = connect(self.spec, self._store, self.dtype, timeout,
                                             self.workers_alive, self.comm)
-        log.info("tensor-parallel group of %d formed (workers %s)", self.world, self.worker_pids)
 
     def restart(self) -> None:
         """Replace the workers (after one died): rank 0's model keeps its context object, which
