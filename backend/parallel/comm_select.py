@@ -57,6 +57,15 @@ def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
                            spec.slot_bytes, dtype, create=True, peers_alive=peers_alive)
 
 
+def rendezvous_store(path: str, world: int,
+                     timeout: datetime.timedelta) -> dist.FileStore:
+    """The group's store: a file in rank 0's private temp directory (no port is opened); every
+    rank opens the same path."""
+    store = dist.FileStore(path, world)
+    store.set_timeout(timeout)
+    return store
+
+
 class LazyGloo:
     """The gloo group for messages too large for shared memory, formed at the first one: every
     rank reaches that collective together (same model, same step), so they form it together.

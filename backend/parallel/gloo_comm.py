@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from backend.parallel.gpu_comm import assemble_gathered, pad_columns
+
 
 class GlooCommunicator:
     def __init__(self, pg: dist.ProcessGroup, rank: int, world: int):
@@ -35,12 +37,10 @@ class GlooCommunicator:
         """Every rank's [rows, sizes[rank]] concatenated on the last dim, on rank 0 only. Shards
         are padded to the widest (gloo's all-gather needs one shape), then trimmed."""
         t0 = time.perf_counter()
-        rows, width = x.shape[0], max(sizes)
-        padded = x.new_zeros(rows, width)
-        padded[:, :x.shape[1]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        self.pg.allgather([parts], [padded]).wait()
-        out = torch.cat([p[:, :s] for p, s in zip(parts, sizes)], dim=1) if self.rank == 0 else None
+        padded = pad_columns(x, max(sizes))
+        gathered = padded.new_empty((self.world, *padded.shape))
+        self.pg.allgather([list(gathered.unbind(0))], [padded]).wait()
+        out = assemble_gathered(gathered, sizes) if self.rank == 0 else None
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out

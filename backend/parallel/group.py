@@ -4,8 +4,8 @@ processes it starts and owns.
 Start-up: rank 0 creates the rendezvous store (a torch FileStore in a private temp directory: no
 port is opened) and the shared-memory segment, then spawns the workers (same Python, `spawn`
 start method). The gloo fallback group for messages too large for shared memory is formed
-through the store only if such a message ever comes (comm_select.LazyGloo). Every rank loads only its own
-weight shards and allocates its own KV cache. Each step, rank 0 sends the step's inputs to every
+through the store only if such a message ever comes (comm_select.LazyGloo). Every rank loads
+only its own weight shards and allocates its own KV cache. Each step, rank 0 sends the step's inputs to every
 worker as one pickled message over a pipe; all ranks then run the same forward pass, meeting in
 the collectives. Workers exit when rank 0 says so, when their pipe closes (rank 0 died), or when
 a collective notices rank 0 is gone; close() kills any straggler, so none outlives the engine.
@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from backend.parallel.comm_select import connect, local_segment
+from backend.parallel.comm_select import connect, local_segment, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
-_STARTUP_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -92,10 +91,9 @@ class TPGroup:
         # communicator by device (comm_select): the CPU segment now, the rest once workers run
         self.comm = local_segment(self.spec, self.dtype, self.workers_alive)
         self.ctx.comm = self.comm
-        timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+        timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
         store_path = os.path.join(self._store_dir, "store")
-        self._store = dist.FileStore(store_path, self.world)
-        self._store.set_timeout(timeout)
+        self._store = rendezvous_store(store_path, self.world, timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
         from backend.parallel.worker import worker_main
@@ -121,7 +119,7 @@ class TPGroup:
         self._start()
         self.wait_ready()
 
-    def wait_ready(self, timeout: float = _STARTUP_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         for rank, conn in enumerate(self._conns, start=1):
             while not conn.poll(0.1):

@@ -64,11 +64,12 @@ def balanced_mlp_rows(intermediate: int, num_heads: int, num_kv_heads: int, head
     parts = [HeadPartition.build(num_heads, num_kv_heads, r, world) for r in range(world)]
     attention = [2 * head_dim * (p.num_q + p.num_kv) / 3 for p in parts]  # in MLP rows
     rows = [max(0, round((sum(attention) + intermediate) / world - a)) for a in attention]
-    for r in sorted(range(world), key=lambda r: -rows[r]) * intermediate:  # settle rounding
-        diff = intermediate - sum(rows)
-        if diff == 0:
-            break
-        if rows[r] + (1 if diff > 0 else -1) >= 0:
-            rows[r] += 1 if diff > 0 else -1
+    # settle rounding one row at a time, round-robin from the rank with the most rows
+    order, i = sorted(range(world), key=lambda r: -rows[r]), 0
+    while (diff := intermediate - sum(rows)) != 0:
+        r, step = order[i % world], (1 if diff > 0 else -1)
+        i += 1
+        if rows[r] + step >= 0:
+            rows[r] += step
     start = sum(rows[:rank])
     return start, start + rows[rank]

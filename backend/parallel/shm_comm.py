@@ -54,7 +54,7 @@ class ShmCommunicator:
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=world * _LINE,
                                 count=2 * world * slot_bytes)
         self._slots = data.view(dtype).view(2, world, self.slot_elems)
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._seq = 0
         self._fallback = fallback
         self._peers_alive = peers_alive

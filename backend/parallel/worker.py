@@ -9,15 +9,14 @@ import pickle
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from backend.engine.config import DTYPES
 from backend.engine.model_runner import ModelRunner
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
-from backend.parallel.comm_select import connect, rank_device
+from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
-from backend.parallel.group import WorkerSpec
+from backend.parallel.group import STARTUP_TIMEOUT_S, WorkerSpec
 from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
@@ -32,9 +31,8 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     device = rank_device(spec.device, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=600)
-    store = dist.FileStore(spec.store_path, spec.world)
-    store.set_timeout(timeout)
+    timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
+    store = rendezvous_store(spec.store_path, spec.world, timeout)
     comm = connect(spec, store, dtype, timeout, peers_alive=lambda: os.getppid() == parent_pid)
     ctx = ParallelContext(spec.rank, spec.world, comm)
     model_dir = Path(spec.model_dir)
