@@ -1,12 +1,14 @@
 """Engine settings: what to load and where, how big the KV pool and the batches are, threads."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 
 
 @dataclass
@@ -26,6 +28,12 @@ class EngineConfig:
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
     device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)
     cuda_graphs: bool = True  # on CUDA, decode steps replay one captured graph per batch bucket
+    # Multi-host TP (docs/parallelism.md, "Beyond one machine"): ranks tp_local_ranks..N-1 run on
+    # other hosts, started there by `python -m backend.parallel.node`.
+    tp_local_ranks: int | None = None  # ranks on this host, rank 0 included; None = all of them
+    tp_master_addr: str | None = None  # this host's address the others reach; else $MASTER_ADDR
+    tp_master_port: int | None = None  # rank 0's store port (+1: step channels); else $MASTER_PORT
+    tp_collective_timeout_s: float = 60.0  # multi-host: a collective stuck this long fails
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,7 +50,51 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
-        self.resolved_device()
+        device = self.resolved_device()
+        self._validate_multi_host(device)
+
+    def _validate_multi_host(self, device: torch.device) -> None:
+        tp, local = self.tensor_parallel_size, self.tp_local_ranks
+        if local is not None and (not isinstance(local, int) or not 1 <= local <= tp):
+            raise ValueError(f"tp_local_ranks: must be an integer in 1..tensor_parallel_size "
+                             f"({tp}), got {local!r}")
+        if not self.tp_remote_ranks:
+            if self.tp_master_addr is not None:  # the env vars alone never matter here
+                raise ValueError("tp_master_addr: only used when tp_local_ranks < "
+                                 "tensor_parallel_size (some ranks on other hosts)")
+            return
+        if device.type != "cpu":
+            raise ValueError(f"tp_local_ranks: ranks on other hosts need device 'cpu' (the GPU "
+                             f"communicator is one-host), got device {self.device!r}")
+        if not self.tp_collective_timeout_s > 0:
+            raise ValueError("tp_collective_timeout_s: must be > 0, got "
+                             f"{self.tp_collective_timeout_s!r}")
+        self.resolved_master()
+
+    @property
+    def tp_remote_ranks(self) -> int:
+        """How many ranks run on other hosts (0: the whole group is on this one)."""
+        return self.tensor_parallel_size - (self.tp_local_ranks or self.tensor_parallel_size)
+
+    def resolved_master(self) -> tuple[str, int]:
+        """Rank 0's (address, store port) for a multi-host group: the fields, else $MASTER_ADDR /
+        $MASTER_PORT, else port 29500. Raises ValueError naming the field."""
+        addr = self.tp_master_addr if self.tp_master_addr is not None else os.environ.get(
+            "MASTER_ADDR", "")
+        if not isinstance(addr, str) or not addr.strip():
+            raise ValueError("tp_master_addr: required when some ranks run on other hosts (an "
+                             "address of this host they can reach; or set MASTER_ADDR), got "
+                             f"{self.tp_master_addr!r}")
+        port = self.tp_master_port
+        if port is None:
+            env = os.environ.get("MASTER_PORT", "")
+            try:
+                port = int(env) if env.strip() else DEFAULT_MASTER_PORT
+            except ValueError:
+                raise ValueError(f"tp_master_port: MASTER_PORT={env!r} is not a port") from None
+        if not isinstance(port, int) or not 1 <= port <= 65534:  # port + 1 is used too
+            raise ValueError(f"tp_master_port: must be an integer in 1..65534, got {port!r}")
+        return addr.strip(), port
 
     def resolved_device(self) -> torch.device:
         """Rank 0's device ("auto" resolved); raises ValueError naming the field."""

@@ -77,8 +77,10 @@ class LLMEngine:
         t0 = self._t_start = time.perf_counter()
         self.config = config
         tp = config.tensor_parallel_size
-        # Under TP the ranks share the cores: by default each gets its share, not all of them.
-        threads = config.num_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
+        # Under TP the ranks share the cores: by default each gets its share, not all of them
+        # (multi-host: the ranks on this host share them).
+        here = config.tp_local_ranks or tp
+        threads = config.num_threads or (max(1, (os.cpu_count() or 1) // here) if tp > 1 else None)
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = resolve_model_dir(config.model)
@@ -159,13 +161,18 @@ class LLMEngine:
         vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))
         slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,
                                                   c.max_num_seqs * vocab_shard)
+        # multi-host: rank 0 hosts the store; its own and its local workers' gloo sockets bind
+        # to the master address, which the other hosts reach
+        addr, port = c.resolved_master() if c.tp_remote_ranks else ("", 0)
         self.group = TPGroup(WorkerSpec(
             rank=0, world=tp, store_path="", shm_name="", slot_bytes=slot_bytes,
             model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
             block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
             cpu=0 if c.pin_cpus else None, device=str(self.device),
-            cuda_graphs=self.uses_cuda_graphs, decode_sizes=self.plan.decode_sizes),
-            c.torch_dtype)
+            cuda_graphs=self.uses_cuda_graphs, decode_sizes=self.plan.decode_sizes,
+            master_addr=addr, master_port=port, gloo_host=addr,
+            collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0),
+            c.torch_dtype, local_ranks=c.tp_local_ranks)
         weakref.finalize(self, self.group.close)
         if c.pin_cpus:
             os.sched_setaffinity(0, {0})

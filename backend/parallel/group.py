@@ -1,5 +1,5 @@
-"""A tensor-parallel group on one host: rank 0 lives in this process, ranks 1..N-1 are worker
-processes it starts and owns.
+"""A tensor-parallel group: rank 0 lives in this process, ranks 1..N-1 are worker processes it
+starts and owns (or, multi-host, ranks that join from other hosts: see the end).
 
 Start-up: rank 0 creates the rendezvous store (a torch FileStore in a private temp directory: no
 port is opened) and the shared-memory segment, then spawns the workers (same Python, `spawn`
@@ -9,6 +9,12 @@ only its own weight shards and allocates its own KV cache. Each step, rank 0 sen
 worker as one pickled message over a pipe; all ranks then run the same forward pass, meeting in
 the collectives. Workers exit when rank 0 says so, when their pipe closes (rank 0 died), or when
 a collective notices rank 0 is gone; close() kills any straggler, so none outlives the engine.
+
+Multi-host (`local_ranks` < N): the store is a TCP store rank 0 hosts on spec.master_addr:
+master_port, every collective goes through gloo (shared memory is one-host), the local workers
+start as above, and ranks local_ranks..N-1 connect from their hosts' node launchers (node.py)
+to port+1 with the shared authkey; each gets its spec over that connection, which is then its
+step channel, with the same Connection API as a pipe.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -32,6 +40,8 @@ from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
 STARTUP_TIMEOUT_S = 600.0
+REJOIN = "rejoin"  # close() before a rebuild tells remote ranks to join the next group...
+REJOIN_EXIT = 3  # ...and they exit with this code, so that their launcher starts them again
 
 
 @dataclass
@@ -53,6 +63,11 @@ class WorkerSpec:
     device: str = "cpu"
     cuda_graphs: bool = False
     decode_sizes: tuple[int, ...] = ()
+    # multi-host: rank 0's TCP store instead of the file store, gloo for every collective
+    master_addr: str = ""
+    master_port: int = 0
+    gloo_host: str = ""  # the address this rank's gloo sockets bind to ("": torch's default)
+    collective_timeout_s: float = 0.0  # > 0: a collective waiting longer fails
 
 
 def python_executable() -> str:
@@ -66,10 +81,16 @@ def python_executable() -> str:
 
 
 class TPGroup:
-    def __init__(self, spec: WorkerSpec, dtype: torch.dtype):
-        """Start the group described by rank 0's `spec` (workers load their shards meanwhile)."""
+    def __init__(self, spec: WorkerSpec, dtype: torch.dtype, local_ranks: int | None = None):
+        """Start the group described by rank 0's `spec` (workers load their shards meanwhile);
+        ranks `local_ranks`.. (rank 0 is local) join from other hosts."""
         self.spec, self.dtype = spec, dtype
         self.world = spec.world
+        self.local_ranks = local_ranks or spec.world
+        self._authkey = b""
+        if self.local_ranks < self.world:
+            from backend.parallel.node import resolve_authkey
+            self._authkey = resolve_authkey(create=True)
         self.ctx = ParallelContext(0, spec.world, None)  # the model keeps this object for good
         self.closed = True
         self._start()
@@ -77,6 +98,8 @@ class TPGroup:
     def _start(self) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
+        self._remote: dict[int, Connection] = {}  # rank -> step channel, multi-host
+        self._listener = None
         self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
         self.comm = None
         self.closed = False
@@ -92,36 +115,85 @@ class TPGroup:
         self.comm = local_segment(self.spec, self.dtype, self.workers_alive)
         self.ctx.comm = self.comm
         timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
-        store_path = os.path.join(self._store_dir, "store")
-        self._store = rendezvous_store(store_path, self.world, timeout)
+        base = replace(self.spec, store_path=os.path.join(self._store_dir, "store"),
+                       shm_name=self.comm.name if self.comm else "")
+        self._store = rendezvous_store(base, timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
         from backend.parallel.worker import worker_main
-        for rank in range(1, self.world):
+        for rank in range(1, self.local_ranks):
             parent, child = ctx.Pipe()
-            spec = WorkerSpec(**{**self.spec.__dict__, "rank": rank,
-                                 "store_path": store_path,
-                                 "shm_name": self.comm.name if self.comm else "",
-                                 "cpu": None if self.spec.cpu is None else rank % os.cpu_count()})
+            spec = replace(base, rank=rank,
+                           cpu=None if self.spec.cpu is None else rank % os.cpu_count())
             proc = ctx.Process(target=worker_main, args=(spec, child, os.getpid()),
                                name=f"tpllm-rank{rank}", daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self.comm = self.ctx.comm = connect(self.spec, self._store, self.dtype, timeout,
+        if self.local_ranks < self.world:
+            self._accept_remote(base)
+        self.comm = self.ctx.comm = connect(base, self._store, self.dtype, timeout,
                                             self.workers_alive, self.comm)
+
+    def _accept_remote(self, base: WorkerSpec) -> None:
+        """Wait until ranks local_ranks..N-1 have joined from their hosts; send each its spec.
+        The step port is open only meanwhile."""
+        from backend.parallel.node import RankListener
+        addr, port = base.master_addr, base.master_port
+        self._listener = RankListener(addr, port + 1, self._authkey)
+        waiting = set(range(self.local_ranks, self.world))
+        log.info("waiting for tensor-parallel ranks %s to join at %s:%d", sorted(waiting), addr,
+                 port + 1)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting:
+            for rank, p in enumerate(self._procs, start=1):  # don't wait on a broken start
+                if not p.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
+                                       f"(exit code {p.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel ranks {sorted(waiting)} did not join in "
+                    f"{STARTUP_TIMEOUT_S:.0f}s: start `python -m backend.parallel.node "
+                    f"--master-addr {addr} --master-port {port} --ranks ...` on their hosts")
+            joined = self._listener.accept(1.0)
+            if joined is None:
+                continue
+            rank, conn = joined
+            try:
+                if rank not in waiting:
+                    conn.send(("error", f"rank {rank} is not awaited (waiting for "
+                                        f"{sorted(waiting)} of {self.world})"))
+                    conn.close()
+                    continue
+                conn.send(("spec", replace(base, rank=rank)))
+            except OSError as e:
+                log.warning("tensor-parallel rank %d hung up while joining (%s)", rank, e)
+                conn.close()
+                continue
+            self._remote[rank] = conn
+            waiting.discard(rank)
+            log.info("tensor-parallel rank %d joined", rank)
+        self._listener.close()
+        self._listener = None
+
+    def _all_conns(self) -> list[Connection]:
+        """Every worker's step channel, in rank order (local ranks come first)."""
+        return self._conns + [self._remote[r] for r in sorted(self._remote)]
 
     def restart(self) -> None:
         """Replace the workers (after one died): rank 0's model keeps its context object, which
         gets the new communicator; the workers reload their shards."""
-        self.close()
+        self.close(rejoin=True)
         self._start()
         self.wait_ready()
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(self._conns, start=1):
+        for rank, conn in enumerate(self._all_conns(), start=1):
+            if rank >= self.local_ranks:
+                self._wait_remote_ready(rank, conn, deadline)
+                continue
             while not conn.poll(0.1):
                 if not self._procs[rank - 1].is_alive():
                     raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
@@ -138,23 +210,38 @@ class TPGroup:
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
+    @staticmethod
+    def _wait_remote_ready(rank: int, conn: Connection, deadline: float) -> None:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"tensor-parallel rank {rank} (remote) not ready in time")
+        try:
+            status, detail = conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"tensor-parallel rank {rank} (remote) hung up during start-up; "
+                               "its node launcher's log says why") from None
+        if status != "ready":
+            raise RuntimeError(f"tensor-parallel rank {rank} (remote) failed to start: {detail}")
+
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
     def workers_alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
+        return (all(p.is_alive() for p in self._procs)
+                and all(_channel_open(c) for c in self._remote.values()))
 
     def broadcast(self, step) -> None:
         """Send one step to every worker: one pickled message each."""
         payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for conn in self._conns:
+            for conn in self._all_conns():
                 conn.send_bytes(payload)
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
             raise PeerLostError(f"a tensor-parallel worker is gone ({e})") from None
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0, rejoin: bool = False) -> None:
+        """Stop the workers; with `rejoin` (a rebuild follows), remote ranks are told to join the
+        next group (their launcher starts them again) rather than to finish."""
         if self.closed:
             return
         self.closed = True
@@ -163,16 +250,32 @@ class TPGroup:
                 conn.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
+        for conn in self._remote.values():
+            try:
+                conn.send_bytes(pickle.dumps(REJOIN if rejoin else None))
+            except OSError:
+                pass
         deadline = time.monotonic() + timeout
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
-        for conn in self._conns:
+        for conn in self._all_conns():
             conn.close()
+        if self._listener is not None:
+            self._listener.close()
         if self.comm is not None:
             self.comm.close(unlink=True)
         self._store = None
         shutil.rmtree(self._store_dir, ignore_errors=True)
         log.info("tensor-parallel workers stopped")
+
+
+def _channel_open(conn: Connection) -> bool:
+    """A remote rank's channel is silent after "ready": readable means closed or reset (the rank
+    died, or its host vanished: TCP keepalive)."""
+    try:
+        return not conn.poll(0)
+    except OSError:
+        return False

@@ -1,11 +1,13 @@
 """A tensor-parallel worker process (ranks 1..N-1): load this rank's shards, then run every step
-rank 0 sends until told to stop or rank 0 disappears."""
+rank 0 sends until told to stop or rank 0 disappears. `conn` is a pipe to rank 0, or, for a rank
+on another host, a TCP connection (node.py) with the same API."""
 from __future__ import annotations
 
 import datetime
 import logging
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
-from backend.parallel.group import STARTUP_TIMEOUT_S, WorkerSpec
+from backend.parallel.group import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
 from backend.parallel.shm_comm import PeerLostError
 
 log = logging.getLogger("backend.parallel")
@@ -32,7 +34,7 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
-    store = rendezvous_store(spec.store_path, spec.world, timeout)
+    store = rendezvous_store(spec, timeout)
     comm = connect(spec, store, dtype, timeout, peers_alive=lambda: os.getppid() == parent_pid)
     ctx = ParallelContext(spec.rank, spec.world, comm)
     model_dir = Path(spec.model_dir)
@@ -62,6 +64,8 @@ def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
         step = pickle.loads(payload)
         if step is None:
             break
+        if isinstance(step, str) and step == REJOIN:  # remote rank: its launcher restarts it
+            sys.exit(REJOIN_EXIT)
         try:
             runner.forward(step)
         except PeerLostError as e:
