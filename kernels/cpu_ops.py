@@ -15,7 +15,6 @@ from kernels.metadata import DecodeBatch
 _ext = load()
 
 rms_norm = _ref.rms_norm
-silu_mul = _ref.silu_mul  # torch's vectorized exp beats a scalar C++ loop here
 rotary = _ref.rotary
 write_kv = _ref.write_kv
 prefill_attention = _ref.prefill_attention
@@ -31,7 +30,7 @@ def _uniform_kv_index(num_q: int, num_kv: int) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: DecodeBatch, scale: float,
-                     kv_index: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy) and beats gather + SDPA at
     # every batch size measured (2 threads, 300-token contexts: B=16 0.43 vs 1.08 ms, B=64 1.6 vs
     # 3.4 ms per layer in float32; bfloat16 1.5 vs 2.2 ms).
@@ -40,7 +39,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kv_index is None:
         kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
     return _ext.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
-                                       batch.context_lens, scale, kv_index)
+                                       batch.context_lens, scale, kv_index, num_splits)
 
 
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
@@ -53,6 +52,14 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     t, d = qkv.shape[0], cos.shape[-1]
     x = qkv.view(t, num_q + 2 * num_kv, d)
     return x[:, :num_q], x[:, num_q:num_q + num_kv], x[:, num_q + num_kv:]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # One pass with a vectorized exp; torch's silu-then-mul is two passes over a strided half
+    # (2 threads, 2048 rows of 1536: 1.5 vs 1.6 ms; 64 rows: 119 vs 179 us).
+    if gate_up.dtype not in _STORAGE or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return _ref.silu_mul(gate_up)
+    return _ext.silu_mul(gate_up)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -39,6 +39,37 @@ def test_paged_decode_attention(hq, hkv, block_size, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_split_contexts(splits, dtype):
+    """Long contexts of a short batch split into several tasks (0: the kernel's own choice);
+    splits that get no block (a short sequence beside a long one) must not disturb the merge."""
+    g = torch.Generator().manual_seed(splits)
+    nb, bs, hq, hkv, d = 160, 16, 9, 3, 64
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([1000, 20])
+    width = -(-int(lens.max()) // bs)
+    tables = torch.randperm(nb, generator=g)[:2 * width].view(2, width)
+    q = (torch.randn(2, hq, d, generator=g) * 3).to(dtype)  # peaked softmax: merge weights matter
+    batch = DecodeBatch(tables, lens, int(lens.max()), bs)
+    want = ref.decode_attention(q, kc, vc, batch, 0.125)
+    got = cpu_ops.decode_attention(q, kc, vc, batch, 0.125, num_splits=splits)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 7), (300, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(rows, inter, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * inter, generator=g) * 8).to(dtype)  # both tails of exp
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated sigmoid, exact zero
+    want = ref.silu_mul(x)
+    got = cpu_ops.silu_mul(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    # bf16: both round silu's result and the product; fp32 exp differs by an ulp or two
+    torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else TOL[dtype]))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm(rows, dtype):

@@ -7,6 +7,8 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -46,16 +48,99 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// exp(x) for any x, vectorizable (same polynomial); saturates to inf above 88.7.
+inline float exp_any(float x) {
+  return x <= 0.f ? exp_nonpositive(x) : 1.f / exp_nonpositive(-x);
+}
+
 void check_storage(const torch::Tensor& t, const char* fn) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, fn,
               ": float32 or bfloat16 only");
+}
+
+// Work per decode task: whole KV blocks of one sequence. Short batches split each context into
+// several tasks (flash-decoding) so every thread has work; the partial softmax states are merged.
+constexpr int64_t kMinBlocksPerSplit = 4;
+
+int64_t choose_splits(int64_t B, int64_t max_blocks, int64_t threads) {
+  if (threads <= 1 || B >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + B - 1) / B;
+  return std::max<int64_t>(1, std::min(want, max_blocks / kMinBlocksPerSplit));
+}
+
+// One task: query heads of sequence b against its KV blocks [blk_begin, blk_end), online softmax
+// block by block. Leaves unnormalised acc [Hq, D], running max mx [Hq] and denominator den [Hq].
+// A block is [BS, Hkv, D] contiguous: pass 1 reads K token by token (all heads of a token are
+// adjacent), pass 2 the same for V, so both streams are sequential; the next block is prefetched
+// row by row while this one is used (blocks are scattered: the hardware prefetcher stops at them).
+template <typename T>
+void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* table, int64_t L,
+                   int64_t blk_begin, int64_t blk_end, int64_t BS, int64_t Hkv, int64_t Hq,
+                   int64_t D, int64_t block_stride, const int64_t* kvi, float scale, float* acc,
+                   float* mx, float* den, std::vector<float>& sc, std::vector<float>& kb,
+                   std::vector<float>& vb) {
+  const int64_t row = Hkv * D;
+  std::fill(acc, acc + Hq * D, 0.f);
+  std::fill(mx, mx + Hq, -INFINITY);
+  std::fill(den, den + Hq, 0.f);
+  sc.resize(Hq * BS);
+  for (int64_t blk_i = blk_begin; blk_i < blk_end; ++blk_i) {
+    const int64_t start = blk_i * BS, n = std::min(BS, L - start);
+    const T* kbase = kp + table[blk_i] * block_stride;
+    const T* vbase = vp + table[blk_i] * block_stride;
+    const bool has_next = blk_i + 1 < blk_end;
+    const T* knext = has_next ? kp + table[blk_i + 1] * block_stride : nullptr;
+    const T* vnext = has_next ? vp + table[blk_i + 1] * block_stride : nullptr;
+    const float* kblk;
+    const float* vblk;
+    if constexpr (std::is_same_v<T, float>) {
+      kblk = kbase, vblk = vbase;
+    } else {  // bf16 storage: widen the block once; every query head then reads fp32
+      kb.resize(BS * row), vb.resize(BS * row);
+#pragma omp simd
+      for (int64_t i = 0; i < n * row; ++i) kb[i] = static_cast<float>(kbase[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < n * row; ++i) vb[i] = static_cast<float>(vbase[i]);
+      kblk = kb.data(), vblk = vb.data();
+    }
+    constexpr int64_t kLine = 64 / sizeof(T);
+    for (int64_t j = 0; j < n; ++j) {
+      if (has_next)
+        for (int64_t i = 0; i < row; i += kLine) __builtin_prefetch(knext + j * row + i);
+      const float* krow = kblk + j * row;
+      for (int64_t h = 0; h < Hq; ++h)
+        sc[h * BS + j] = dot(qf + h * D, krow + kvi[h] * D, D) * scale;
+    }
+    for (int64_t h = 0; h < Hq; ++h) {
+      float* s = sc.data() + h * BS;
+      float m = mx[h];
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+      const float corr = std::exp(mx[h] - m);  // 0 on the first block (acc is still 0)
+      mx[h] = m;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
+      den[h] = den[h] * corr + sum;
+      if (corr != 1.f) {
+        float* a = acc + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (has_next)
+        for (int64_t i = 0; i < row; i += kLine) __builtin_prefetch(vnext + j * row + i);
+      const float* vrow = vblk + j * row;
+      for (int64_t h = 0; h < Hq; ++h) axpy(acc + h * D, vrow + kvi[h] * D, sc[h * BS + j], D);
+    }
+  }
 }
 
 template <typename T>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& tables,
                            const torch::Tensor& lens, double scale, const torch::Tensor& kvi,
-                           torch::Tensor& out) {
+                           int64_t num_splits, torch::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t MB = tables.size(1);
@@ -66,67 +151,46 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* ip = kvi.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t kb_stride = k_cache.stride(0), kt_stride = k_cache.stride(1),
-                kh_stride = k_cache.stride(2);
-  const float fscale = (float)scale;
-  // One task per (sequence, KV head): the group's query heads share every K/V row it loads.
-  // Block by block (online softmax): the block's K/V rows are converted to fp32 once into
-  // L1-resident buffers, then every query head of the group reads them.
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> heads;
-    std::vector<float> qf, acc, kb(BS * D), vb(BS * D), sc, mx, den;
+  const int64_t block_stride = k_cache.stride(0);
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, (lp[b] + BS - 1) / BS);
+  const int64_t S = num_splits > 0 ? num_splits
+                                   : choose_splits(B, max_blocks, at::get_num_threads());
+  // partial states of every (sequence, split): acc [Hq, D], then max [Hq], then den [Hq]
+  const int64_t part = Hq * (D + 2);
+  std::vector<float> parts(B * S * part);
+  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), sc, kb, vb;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      heads.clear();
-      for (int64_t i = 0; i < Hq; ++i)
-        if (ip[i] == h) heads.push_back(i);
-      const int64_t G = heads.size(), L = lp[b];
-      if (G == 0) continue;
-      acc.assign(G * D, 0.f);
-      qf.resize(G * D);
-      sc.resize(G * BS);
-      mx.assign(G, -INFINITY);
-      den.assign(G, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < D; ++i)
-          qf[g * D + i] = static_cast<float>(qp[(b * Hq + heads[g]) * D + i]);
-      for (int64_t start = 0; start < L; start += BS) {
-        const int64_t n = std::min(BS, L - start);
-        const int64_t blk = tp[b * MB + start / BS];
-        const T* kbase = kp + blk * kb_stride + h * kh_stride;
-        const T* vbase = vp + blk * kb_stride + h * kh_stride;
-        for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = task / S, s = task % S, L = lp[b];
+      const int64_t nblk = (L + BS - 1) / BS, per = (nblk + S - 1) / S;
+      float* acc = parts.data() + task * part;
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]);
+      attend_blocks<T>(qf.data(), kp, vp, tp + b * MB, L, std::min(nblk, s * per),
+                       std::min(nblk, (s + 1) * per), BS, Hkv, Hq, D, block_stride, ip,
+                       (float)scale, acc, acc + Hq * D, acc + Hq * D + Hq, sc, kb, vb);
+    }
+  });
+  // merge the splits of each sequence: rescale every partial to the common max
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        float m = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) m = std::max(m, parts[(b * S + s) * part + Hq * D + h]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float den = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* p = parts.data() + (b * S + s) * part;
+          const float ms = p[Hq * D + h];
+          if (ms == -INFINITY) continue;  // an empty split
+          const float w = S == 1 ? 1.f : std::exp(ms - m);
+          den += p[Hq * D + Hq + h] * w;
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) {
-            kb[j * D + i] = static_cast<float>(kbase[j * kt_stride + i]);
-            vb[j * D + i] = static_cast<float>(vbase[j * kt_stride + i]);
-          }
+          for (int64_t i = 0; i < D; ++i) o[i] += p[h * D + i] * w;
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = sc.data() + g * BS;
-          float m = mx[g];
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = dot(qf.data() + g * D, kb.data() + j * D, D) * fscale;
-            m = std::max(m, s[j]);
-          }
-          const float corr = std::exp(mx[g] - m);  // 0 on the first block (acc is still 0)
-          mx[g] = m;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
-          den[g] = den[g] * corr + sum;
-          float* a = acc.data() + g * D;
-          if (corr != 1.f) {
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] *= corr;
-          }
-          for (int64_t j = 0; j < n; ++j) axpy(a, vb.data() + j * D, s[j], D);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = L > 0 ? 1.f / den[g] : 0.f;
-        for (int64_t i = 0; i < D; ++i)
-          op[(b * Hq + heads[g]) * D + i] = static_cast<T>(acc[g * D + i] * inv);
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t i = 0; i < D; ++i) op[(b * Hq + h) * D + i] = static_cast<T>(o[i] * inv);
       }
     }
   });
@@ -156,6 +220,28 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
       const float inv = 1.f / std::sqrt(ss / (float)H + (float)eps);
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) xr[i] = static_cast<T>(static_cast<float>(wp[i]) * (r[i] * inv));
+    }
+  });
+}
+
+// out[t, i] = silu(gate[t, i]) * up[t, i] for gate_up = [gate | up] rows. Rounds where torch's
+// `F.silu(gate) * up` rounds (silu's result, then the product) so bf16 matches the reference.
+template <typename T>
+void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t N = out.size(0), I = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gp + t * 2 * I;
+      const T* u = g + I;
+      T* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float silu = static_cast<float>(static_cast<T>(x / (1.f + exp_any(-x))));
+        o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
+      }
     }
   });
 }
@@ -200,11 +286,14 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
 }  // namespace
 
 // q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, MB]; context_lens [B];
-// kv_index [Hq] (local KV head of each query head) -> out [B, Hq, D].
+// kv_index [Hq] (local KV head of each query head); num_splits per context (0 = by batch size
+// and threads) -> out [B, Hq, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale, torch::Tensor kv_index) {
+                                     double scale, torch::Tensor kv_index, int64_t num_splits) {
   check_storage(q, "paged_decode_attention");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention: contiguous caches only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode_attention: q and the caches must share a dtype");
   q = q.contiguous();
@@ -213,9 +302,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto lens = context_lens.contiguous();
   auto kvi = kv_index.contiguous();
   if (q.scalar_type() == torch::kBFloat16)
-    decode_attention_impl<bf16>(q, k_cache, v_cache, tables, lens, scale, kvi, out);
+    decode_attention_impl<bf16>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
   else
-    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, scale, kvi, out);
+    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
   return out;
 }
 
@@ -249,8 +338,22 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
     rotary_write_kv_impl<float>(qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slots);
 }
 
+// gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_storage(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: a contiguous [N, 2I] tensor only");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kBFloat16)
+    silu_mul_impl<bf16>(gate_up, out);
+  else
+    silu_mul_impl<float>(gate_up, out);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("silu_mul", &silu_mul);
 }
