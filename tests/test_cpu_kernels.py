@@ -39,21 +39,28 @@ def test_paged_decode_attention(hq, hkv, block_size, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("splits", [0, 1, 3, 7])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (8, 1, 64), (8, 2, 128), (5, 2, 64),
+                                        (4, 2, 48)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_split_contexts(splits, dtype):
+def test_paged_decode_attention_split_contexts(splits, hq, hkv, d, dtype):
     """Long contexts of a short batch split into several tasks (0: the kernel's own choice);
-    splits that get no block (a short sequence beside a long one) must not disturb the merge."""
-    g = torch.Generator().manual_seed(splits)
-    nb, bs, hq, hkv, d = 160, 16, 9, 3, 64
+    splits that get no block (a short sequence beside a long one) must not disturb the merge.
+    head_dim 64 and 128 take the vector path (query heads of a KV head in chunks of 4 and 2),
+    48 the generic one; 5 over 2 is an uneven tensor-parallel head map."""
+    g = torch.Generator().manual_seed(splits * 1000 + hq * 10 + d)
+    nb, bs = 160, 16
     kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
     lens = torch.tensor([1000, 20])
     width = -(-int(lens.max()) // bs)
     tables = torch.randperm(nb, generator=g)[:2 * width].view(2, width)
     q = (torch.randn(2, hq, d, generator=g) * 3).to(dtype)  # peaked softmax: merge weights matter
+    kv_index = None
+    if hq % hkv:
+        kv_index = torch.tensor([min(h * hkv // hq, hkv - 1) for h in range(hq)])
     batch = DecodeBatch(tables, lens, int(lens.max()), bs)
-    want = ref.decode_attention(q, kc, vc, batch, 0.125)
-    got = cpu_ops.decode_attention(q, kc, vc, batch, 0.125, num_splits=splits)
+    want = ref.decode_attention(q, kc, vc, batch, 0.125, kv_index)
+    got = cpu_ops.decode_attention(q, kc, vc, batch, 0.125, kv_index, num_splits=splits)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 

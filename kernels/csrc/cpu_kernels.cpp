@@ -29,6 +29,32 @@ inline void axpy(float* y, const T* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
+// Fixed-width vectors (GCC/Clang vector extensions: AVX-512 or 2 x AVX2 on x86, NEON on Arm) for
+// the attention block step below; the compiler's `omp simd` reductions summed lanes one by one.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float sum16(v16f v) {
+  v8f a, b;
+  __builtin_memcpy(&a, &v, sizeof(a));
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
+  const v8f s8 = a + b;
+  v4f c, d;
+  __builtin_memcpy(&c, &s8, sizeof(c));
+  __builtin_memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof(c), sizeof(d));
+  const v4f s4 = c + d;
+  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
 // exp(x) for x <= 0 (softmax arguments), vectorizable: 2^k * p(r) with x = k ln2 + r, |r| <=
 // ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7); underflows to 0 below -87.
 inline float exp_nonpositive(float x) {
@@ -68,29 +94,110 @@ int64_t choose_splits(int64_t B, int64_t max_blocks, int64_t threads) {
   return std::max<int64_t>(1, std::min(want, max_blocks / kMinBlocksPerSplit));
 }
 
-// One task: query heads of sequence b against its KV blocks [blk_begin, blk_end), online softmax
-// block by block. Leaves unnormalised acc [Hq, D], running max mx [Hq] and denominator den [Hq].
-// A block is [BS, Hkv, D] contiguous: pass 1 reads K token by token (all heads of a token are
-// adjacent), pass 2 the same for V, so both streams are sequential; the next block is prefetched
-// row by row while this one is used (blocks are scattered: the hardware prefetcher stops at them).
+// Online-softmax update of one query head for a block whose raw scores are in s[0, n): turns them
+// into probabilities (in place) and returns the factor the head's accumulator must be scaled by.
+inline float softmax_update(float* s, int64_t n, float& mx, float& den) {
+  float m = mx;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  const float corr = std::exp(mx - m);  // 0 on the first block (acc is still 0)
+  mx = m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
+  den = den * corr + sum;
+  return corr;
+}
+
+// Query heads heads[0, G) (all reading KV head kh) against one block of n tokens, head_dim D a
+// multiple of 16: each K/V row is loaded once for the whole group and the group's accumulators
+// stay in vector registers across the block.
+template <int D, int GMAX>
+void block_group_fast(const float* qf, const float* kblk, const float* vblk, int64_t n,
+                      int64_t row, int64_t kh, const int64_t* heads, int64_t G, float scale,
+                      float* acc, float* mx, float* den, float* sc, int64_t BS) {
+  constexpr int C = D / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    v16f k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kblk + j * row + kh * D + 16 * c);
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      const float* q = qf + heads[g] * D;
+      v16f d = load16(q) * k[0];
+      for (int c = 1; c < C; ++c) d += load16(q + 16 * c) * k[c];
+      sc[heads[g] * BS + j] = sum16(d) * scale;
+    }
+  }
+  v16f a[GMAX][C];
+  for (int g = 0; g < GMAX; ++g) {
+    if (g >= G) break;
+    const int64_t h = heads[g];
+    const float corr = softmax_update(sc + h * BS, n, mx[h], den[h]);
+    for (int c = 0; c < C; ++c) a[g][c] = load16(acc + h * D + 16 * c) * corr;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    v16f v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vblk + j * row + kh * D + 16 * c);
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      const float p = sc[heads[g] * BS + j];
+      for (int c = 0; c < C; ++c) a[g][c] += p * v[c];
+    }
+  }
+  for (int g = 0; g < GMAX; ++g) {
+    if (g >= G) break;
+    for (int c = 0; c < C; ++c) store16(acc + heads[g] * D + 16 * c, a[g][c]);
+  }
+}
+
+// Any head_dim: one query head at a time, row by row.
+inline void block_group_generic(const float* qf, const float* kblk, const float* vblk, int64_t n,
+                                int64_t row, int64_t D, int64_t kh, const int64_t* heads,
+                                int64_t G, float scale, float* acc, float* mx, float* den,
+                                float* sc, int64_t BS) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = heads[g];
+    float* s = sc + h * BS;
+    for (int64_t j = 0; j < n; ++j) s[j] = dot(qf + h * D, kblk + j * row + kh * D, D) * scale;
+    const float corr = softmax_update(s, n, mx[h], den[h]);
+    float* a = acc + h * D;
+    if (corr != 1.f) {
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+    }
+    for (int64_t j = 0; j < n; ++j) axpy(a, vblk + j * row + kh * D, s[j], D);
+  }
+}
+
+// One task: the query heads of one sequence against its KV blocks [blk_begin, blk_end), online
+// softmax block by block. Leaves unnormalised acc [Hq, D], running max mx [Hq] and denominator
+// den [Hq]. A block is [BS, Hkv, D] contiguous and is read once, in order; the next block (blocks
+// are scattered: the hardware prefetcher stops at them) is prefetched while this one is used.
+// heads_by_kv lists the query heads grouped by the KV head they read, group kh at
+// [group_start[kh], group_start[kh + 1]).
 template <typename T>
 void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* table, int64_t L,
                    int64_t blk_begin, int64_t blk_end, int64_t BS, int64_t Hkv, int64_t Hq,
-                   int64_t D, int64_t block_stride, const int64_t* kvi, float scale, float* acc,
-                   float* mx, float* den, std::vector<float>& sc, std::vector<float>& kb,
-                   std::vector<float>& vb) {
+                   int64_t D, int64_t block_stride, const int64_t* heads_by_kv,
+                   const int64_t* group_start, float scale, float* acc, float* mx, float* den,
+                   std::vector<float>& sc, std::vector<float>& kb, std::vector<float>& vb) {
   const int64_t row = Hkv * D;
   std::fill(acc, acc + Hq * D, 0.f);
   std::fill(mx, mx + Hq, -INFINITY);
   std::fill(den, den + Hq, 0.f);
   sc.resize(Hq * BS);
+  constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t blk_i = blk_begin; blk_i < blk_end; ++blk_i) {
-    const int64_t start = blk_i * BS, n = std::min(BS, L - start);
+    const int64_t n = std::min(BS, L - blk_i * BS);
     const T* kbase = kp + table[blk_i] * block_stride;
     const T* vbase = vp + table[blk_i] * block_stride;
-    const bool has_next = blk_i + 1 < blk_end;
-    const T* knext = has_next ? kp + table[blk_i + 1] * block_stride : nullptr;
-    const T* vnext = has_next ? vp + table[blk_i + 1] * block_stride : nullptr;
+    if (blk_i + 2 < blk_end) {
+      const T* knext = kp + table[blk_i + 2] * block_stride;
+      const T* vnext = vp + table[blk_i + 2] * block_stride;
+      for (int64_t i = 0; i < BS * row; i += kLine) {
+        __builtin_prefetch(knext + i);
+        __builtin_prefetch(vnext + i);
+      }
+    }
     const float* kblk;
     const float* vblk;
     if constexpr (std::is_same_v<T, float>) {
@@ -103,35 +210,26 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
       for (int64_t i = 0; i < n * row; ++i) vb[i] = static_cast<float>(vbase[i]);
       kblk = kb.data(), vblk = vb.data();
     }
-    constexpr int64_t kLine = 64 / sizeof(T);
-    for (int64_t j = 0; j < n; ++j) {
-      if (has_next)
-        for (int64_t i = 0; i < row; i += kLine) __builtin_prefetch(knext + j * row + i);
-      const float* krow = kblk + j * row;
-      for (int64_t h = 0; h < Hq; ++h)
-        sc[h * BS + j] = dot(qf + h * D, krow + kvi[h] * D, D) * scale;
-    }
-    for (int64_t h = 0; h < Hq; ++h) {
-      float* s = sc.data() + h * BS;
-      float m = mx[h];
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-      const float corr = std::exp(mx[h] - m);  // 0 on the first block (acc is still 0)
-      mx[h] = m;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
-      den[h] = den[h] * corr + sum;
-      if (corr != 1.f) {
-        float* a = acc + h * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] *= corr;
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      for (int64_t g = group_start[kh]; g < group_start[kh + 1];) {
+        const int64_t* heads = heads_by_kv + g;
+        const int64_t left = group_start[kh + 1] - g;
+        int64_t G;
+        if (D == 64) {
+          G = std::min<int64_t>(left, 4);
+          block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
+                                  sc.data(), BS);
+        } else if (D == 128) {
+          G = std::min<int64_t>(left, 2);
+          block_group_fast<128, 2>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
+                                   sc.data(), BS);
+        } else {
+          G = left;
+          block_group_generic(qf, kblk, vblk, n, row, D, kh, heads, G, scale, acc, mx, den,
+                              sc.data(), BS);
+        }
+        g += G;
       }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      if (has_next)
-        for (int64_t i = 0; i < row; i += kLine) __builtin_prefetch(vnext + j * row + i);
-      const float* vrow = vblk + j * row;
-      for (int64_t h = 0; h < Hq; ++h) axpy(acc + h * D, vrow + kvi[h] * D, sc[h * BS + j], D);
     }
   }
 }
@@ -156,6 +254,14 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   for (int64_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, (lp[b] + BS - 1) / BS);
   const int64_t S = num_splits > 0 ? num_splits
                                    : choose_splits(B, max_blocks, at::get_num_threads());
+  // query heads grouped by the KV head they read (any map: uneven TP splits included)
+  std::vector<int64_t> heads_by_kv, group_start(Hkv + 1, 0);
+  for (int64_t kh = 0; kh < Hkv; ++kh) {
+    group_start[kh] = heads_by_kv.size();
+    for (int64_t h = 0; h < Hq; ++h)
+      if (ip[h] == kh) heads_by_kv.push_back(h);
+  }
+  group_start[Hkv] = heads_by_kv.size();
   // partial states of every (sequence, split): acc [Hq, D], then max [Hq], then den [Hq]
   const int64_t part = Hq * (D + 2);
   std::vector<float> parts(B * S * part);
@@ -167,8 +273,9 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       float* acc = parts.data() + task * part;
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]);
       attend_blocks<T>(qf.data(), kp, vp, tp + b * MB, L, std::min(nblk, s * per),
-                       std::min(nblk, (s + 1) * per), BS, Hkv, Hq, D, block_stride, ip,
-                       (float)scale, acc, acc + Hq * D, acc + Hq * D + Hq, sc, kb, vb);
+                       std::min(nblk, (s + 1) * per), BS, Hkv, Hq, D, block_stride,
+                       heads_by_kv.data(), group_start.data(), (float)scale, acc, acc + Hq * D,
+                       acc + Hq * D + Hq, sc, kb, vb);
     }
   });
   // merge the splits of each sequence: rescale every partial to the common max
