@@ -164,3 +164,18 @@ def test_model_config_parameters():
         parse_parameters({"parameters": {"kv_budget": {"string_value": "1"}}})
     with pytest.raises(ValueError, match="decoupled: true"):
         check_transaction_policy({})
+
+
+def test_model_config_multi_host_parameters():
+    cfg = {"parameters": {"tensor_parallel_size": {"string_value": "4"},
+                          "tp_local_ranks": {"string_value": "2"},
+                          "tp_master_addr": {"string_value": "10.0.0.1"},
+                          "tp_master_port": {"string_value": "29600"},
+                          "tp_collective_timeout_s": {"string_value": "30"}}}
+    kwargs, _ = parse_parameters(cfg)
+    assert kwargs == {"tensor_parallel_size": 4, "tp_local_ranks": 2, "tp_master_addr": "10.0.0.1",
+                      "tp_master_port": 29600, "tp_collective_timeout_s": 30.0}
+    from backend.engine.config import EngineConfig
+    EngineConfig(**kwargs, device="cpu").validate()  # the engine accepts what the adapter passes
+    with pytest.raises(ValueError, match="parameter tp_master_port"):
+        parse_parameters({"parameters": {"tp_master_port": {"string_value": "x"}}})

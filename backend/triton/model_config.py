@@ -23,6 +23,11 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "warmup": (bool, "warmup"),
     "device": (str, "device"),  # usually set by the instance kind (placement.engine_device)
     "cuda_graphs": (bool, "cuda_graphs"),
+    # TP across hosts (docs/parallelism.md): the other hosts run `python -m backend.parallel.node`
+    "tp_local_ranks": (int, "tp_local_ranks"),
+    "tp_master_addr": (str, "tp_master_addr"),
+    "tp_master_port": (int, "tp_master_port"),
+    "tp_collective_timeout_s": (float, "tp_collective_timeout_s"),
 }
 ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "log_level": str}
 
