@@ -9,17 +9,16 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-from torch import nn
 
 from backend.model.config import ModelConfig
-from backend.model.layers import ColumnParallelLinear, RowParallelLinear
+from backend.model.layers import ColumnParallelLinear, DirectModule, RowParallelLinear
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import HeadPartition
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 
 
-class Attention(nn.Module):
+class Attention(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
         super().__init__()

@@ -19,13 +19,23 @@ from kernels import reference
 ShardMap = dict[str | None, tuple[int, int, int, int]]
 
 
+class DirectModule(nn.Module):
+    """An nn.Module whose call is its forward: no hook dispatch. A batch-1 decode step makes ~300
+    module calls and torch's hook-aware __call__ costs a few microseconds each; the model
+    registers no hooks."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__call__ = cls.forward
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, shards: ShardMap) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shards = shards  # type: ignore[attr-defined]
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(DirectModule):
     """Output features split across ranks. `rows` names each merged checkpoint tensor (q/k/v,
     gate/up) and the [start, end) of its output rows this rank owns; they are stacked in order."""
 
@@ -44,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(DirectModule):
     """Input features split across ranks; partial sums are all-reduced (the layer's collective)."""
 
     def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool,
@@ -60,7 +70,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(DirectModule):
     """Each rank holds a contiguous slice of the vocabulary's rows."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext):
@@ -79,7 +89,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.ctx.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(DirectModule):
     """Vocab-sharded logits, gathered to the full vocabulary on rank 0 (float32 for the sampler);
     other ranks return None."""
 
@@ -100,7 +110,7 @@ class ParallelLMHead(nn.Module):
         return None if logits is None else logits.float()
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectModule):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: ModuleType = reference):
         super().__init__()
         self.eps = eps

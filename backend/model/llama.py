@@ -9,8 +9,8 @@ from torch import nn
 from backend.model.attention import Attention
 from kernels.metadata import AttentionMetadata
 from backend.model.config import ModelConfig
-from backend.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
-                                  RowParallelLinear, VocabParallelEmbedding)
+from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
+                                  RMSNorm, RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import balanced_mlp_rows
 from kernels import reference, select_ops
@@ -25,7 +25,7 @@ _MERGED = {
 }
 
 
-class MLP(nn.Module):
+class MLP(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
         super().__init__()
@@ -41,7 +41,7 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
         super().__init__()
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType | None = None):
         super().__init__()
