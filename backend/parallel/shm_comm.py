@@ -25,7 +25,13 @@ import torch
 
 _LINE = 64  # bytes per flag: one cache line, so ranks don't false-share
 _SPINS_BEFORE_YIELD = 2000  # then yield the core: TP > cores must not starve the peer it waits on
+_NATIVE_SPINS = 20000  # pause instructions the C++ path spins (~1 ms) before the Python wait
 _LIVENESS_EVERY_S = 0.05
+
+
+def _native_kernels():
+    from kernels.cpu_ext import load
+    return load()
 
 
 class PeerLostError(RuntimeError):
@@ -54,13 +60,20 @@ class ShmCommunicator:
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=world * _LINE,
                                 count=2 * world * slot_bytes)
         self._slots = data.view(dtype).view(2, world, self.slot_elems)
+        # the C++ hot path (kernels/csrc): post, spin and sum in one call; None = torch ops only
+        self._native = _native_kernels() if dtype in (torch.float32, torch.bfloat16) else None
+        self._flags_t = torch.frombuffer(buf, dtype=torch.int64, count=world * _LINE // 8).view(
+            world, _LINE // 8)
+        self._buffers = (self._slots[0], self._slots[1])
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._seq = 0
         self._fallback = fallback
         self._peers_alive = peers_alive
         self._timeout_s = timeout_s
         # More ranks than cores: a spinning rank would hold the core its peer needs; yield at once.
-        self._spins = _SPINS_BEFORE_YIELD if world <= (os.cpu_count() or 1) else 0
+        oversubscribed = world > (os.cpu_count() or 1)
+        self._spins = 0 if oversubscribed else _SPINS_BEFORE_YIELD
+        self._native_spins = 0 if oversubscribed else _NATIVE_SPINS
         self.seconds = 0.0  # time spent inside collectives (waiting included)
         self.calls = 0
 
@@ -74,6 +87,14 @@ class ShmCommunicator:
         if n > self.slot_elems or x.dtype != self.dtype:
             out = x.contiguous().clone()
             self._fallback.allreduce([out]).wait()
+        elif self._native is not None and x.is_contiguous():
+            self._seq += 1
+            seq, buf = self._seq, self._buffers[self._seq & 1]
+            out = self._native.shm_all_reduce(x, buf, self._flags_t, self.rank, seq,
+                                              self._native_spins)
+            if out is None:  # a peer is late: wait the yielding, liveness-checking way
+                self._wait_all(seq)
+                out = self._native.shm_sum(x, buf)
         else:
             _, used = self._post(x)
             out = used.sum(dim=0).view(x.shape)
@@ -137,7 +158,8 @@ class ShmCommunicator:
                                 f"{self._timeout_s:.0f}s")
 
     def close(self, unlink: bool = False) -> None:
-        self._slots = self._flags = self._flag_col = None  # drop views before unmapping
+        # drop views before unmapping
+        self._slots = self._flags = self._flag_col = self._flags_t = self._buffers = None
         self._views.clear()
         try:
             self._shm.close()

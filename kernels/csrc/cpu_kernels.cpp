@@ -390,6 +390,33 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
   });
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+template <typename T>
+void sum_slots(const T* slots, int64_t world, int64_t stride, int64_t n, T* out) {
+  // every rank adds the slots in rank order, in fp32: bit-identical results on every rank
+  constexpr int64_t kChunk = 1024;
+  float acc[kChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - c0);
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(slots[c0 + i]);
+    for (int64_t r = 1; r < world; ++r) {
+      const T* src = slots + r * stride + c0;
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<float>(src[i]);
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) out[c0 + i] = static_cast<T>(acc[i]);
+  }
+}
+
 }  // namespace
 
 // q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, MB]; context_lens [B];
@@ -458,9 +485,73 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// The shared-memory one-shot all-reduce's hot path (backend/parallel/shm_comm.py): x is copied
+// into this rank's slot of the collective's buffer (`slots` [world, slot_elems]), the rank
+// publishes `seq` in its flag (`flags` int64 [world, 8]: a cache line per rank), spins until
+// every rank has published `seq` (at most max_spins pauses, without the GIL), then sums the
+// slots. Returns None if the peers did not all arrive in time: the caller then waits its slow
+// way (yielding, checking that the peers live) and calls shm_sum. One C++ call instead of
+// several torch ops: each cost up to ~14 us when its code had gone cold between collectives.
+c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
+                                            torch::Tensor flags, int64_t rank, int64_t seq,
+                                            int64_t max_spins) {
+  check_storage(x, "shm_all_reduce");
+  TORCH_CHECK(x.is_contiguous() && slots.is_contiguous() && slots.dim() == 2 &&
+                  slots.scalar_type() == x.scalar_type() && x.numel() <= slots.size(1) &&
+                  flags.scalar_type() == torch::kInt64 && flags.dim() == 2 &&
+                  flags.size(0) == slots.size(0),
+              "shm_all_reduce: contiguous x within the slot, matching dtypes");
+  const int64_t world = slots.size(0), n = x.numel(), stride = slots.size(1);
+  const int64_t line = flags.size(1);
+  int64_t* fp = flags.data_ptr<int64_t>();
+  auto out = torch::empty_like(x);
+  bool arrived = true;
+  {
+    pybind11::gil_scoped_release no_gil;
+    std::memcpy(static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size(),
+                x.data_ptr(), n * x.element_size());
+    __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);
+    for (int64_t r = 0; r < world && arrived; ++r) {
+      int64_t spins = 0;
+      while (__atomic_load_n(fp + r * line, __ATOMIC_ACQUIRE) < seq) {
+        if (++spins > max_spins) {
+          arrived = false;
+          break;
+        }
+        cpu_relax();
+      }
+    }
+    if (arrived) {
+      if (x.scalar_type() == torch::kBFloat16)
+        sum_slots(slots.data_ptr<bf16>(), world, stride, n, out.data_ptr<bf16>());
+      else
+        sum_slots(slots.data_ptr<float>(), world, stride, n, out.data_ptr<float>());
+    }
+  }
+  if (!arrived) return c10::nullopt;
+  return out;
+}
+
+// The slots' sum for an x-shaped result, once every rank has published (see shm_all_reduce).
+torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
+  check_storage(x, "shm_sum");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == x.scalar_type() &&
+                  x.numel() <= slots.size(1), "shm_sum: slots of x's dtype");
+  auto out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.scalar_type() == torch::kBFloat16)
+    sum_slots(slots.data_ptr<bf16>(), slots.size(0), slots.size(1), x.numel(),
+              out.data_ptr<bf16>());
+  else
+    sum_slots(slots.data_ptr<float>(), slots.size(0), slots.size(1), x.numel(),
+              out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_mul", &silu_mul);
+  m.def("shm_all_reduce", &shm_all_reduce);
+  m.def("shm_sum", &shm_sum);
 }
