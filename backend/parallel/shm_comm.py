@@ -3,8 +3,9 @@
 Why: a decode step does two all-reduces per layer of a few KB each. A general-purpose library
 call (gloo) costs ~240 us each on this machine; here a rank copies its tensor into its own slot,
 publishes a sequence number, waits until every peer has published the same number, and sums
-all slots itself (~3 us). Every rank sums the slots in the same order, so all ranks get
-bit-identical results.
+all slots itself, in one C++ call when the CPU kernels are built (kernels/csrc: 13-20 us per
+call between real layers, where a handful of torch ops took 40-80 us), else with torch ops.
+Every rank sums the slots in the same order, so all ranks get bit-identical results.
 
 Memory layout (one segment): per-rank flags (one cache line each), then two data buffers
 (double buffering: collective k uses buffer k % 2, so a fast rank can post collective k+1
