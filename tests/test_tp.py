@@ -89,8 +89,10 @@ def test_tiny_qwen2_qkv_bias_tp(tmp_path):
             assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() <= 1e-5
 
 
-def _allreduce_worker(name, rank, world, sizes, seed, q):
+def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):
     comm = ShmCommunicator(name, rank, world, 4 * 5000, torch.float32, create=False)
+    if not native:
+        comm._native = None  # the torch-op path (no C++ kernels built)
     results = []
     for i, n in enumerate(sizes):
         x = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1000 * i + rank))
@@ -100,14 +102,18 @@ def _allreduce_worker(name, rank, world, sizes, seed, q):
     comm.close()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_shm_all_reduce_equals_sum(world):
+@pytest.mark.parametrize("world, native", [(2, True), (3, True), (3, False), (2, "mixed")])
+def test_shm_all_reduce_equals_sum(world, native):
+    """The C++ path, the torch-op path, and a mix (rank 0 native, the peer not): one protocol."""
     sizes = [1, 7, 576, 4095, 5000, 3, 1000]
     name = f"tpllm_test_{secrets.token_hex(4)}"
     owner = ShmCommunicator(name, 0, world, 4 * 5000, torch.float32, create=True)
+    if native is False:
+        owner._native = None
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(name, r, world, sizes, 7, q))
+    procs = [ctx.Process(target=_allreduce_worker,
+                         args=(name, r, world, sizes, 7, q, native is True))
              for r in range(1, world)]
     for p in procs:
         p.start()
