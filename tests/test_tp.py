@@ -102,6 +102,44 @@ def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):
     comm.close()
 
 
+def _oversized_worker(spec, q):
+    import datetime
+
+    from backend.parallel.comm_select import connect, rendezvous_store
+    timeout = datetime.timedelta(seconds=60)
+    store = rendezvous_store(spec, timeout)
+    comm = connect(spec, store, torch.float32, timeout, peers_alive=lambda: True)
+    x = torch.full((300,), float(spec.rank + 1))  # 1200 bytes: over the 256-byte slot
+    q.put(comm.all_reduce(x).numpy())
+    comm.close()
+
+
+def test_message_over_the_slot_goes_through_gloo(tmp_path):
+    """The shm communicator's fallback (a gloo group formed at the first oversized message)."""
+    from dataclasses import replace
+
+    from backend.parallel.group import WorkerSpec
+    name = f"tpllm_test_{secrets.token_hex(4)}"
+    owner = ShmCommunicator(name, 0, 2, 256, torch.float32, create=True)
+    base = WorkerSpec(rank=0, world=2, store_path=str(tmp_path / "store"), shm_name=name,
+                      slot_bytes=256, model_dir="", dtype="float32", num_blocks=1, block_size=1,
+                      max_model_len=2, num_threads=1, cpu=None)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_oversized_worker, args=(replace(base, rank=r), q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+        owner.close(unlink=True)
+    for r in results:
+        assert np.array_equal(r, np.full(300, 3.0, dtype=np.float32))
+
+
 @pytest.mark.parametrize("world, native", [(2, True), (3, True), (3, False), (2, "mixed")])
 def test_shm_all_reduce_equals_sum(world, native):
     """The C++ path, the torch-op path, and a mix (rank 0 native, the peer not): one protocol."""

@@ -99,13 +99,13 @@ class LazyGloo:
     rank reaches that collective together (same model, same step), so they form it together.
     Until then no rank opens a socket (the slots are sized so that it normally never happens)."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout: datetime.timedelta):
-        self._args = (store, rank, world, timeout)
+    def __init__(self, spec: "WorkerSpec", store: dist.Store, timeout: datetime.timedelta):
+        self._args = (spec, store, timeout)
         self._pg: dist.ProcessGroupGloo | None = None
 
     def allreduce(self, tensors: list[torch.Tensor]):
         if self._pg is None:
-            self._pg = dist.ProcessGroupGloo(*self._args)
+            self._pg = gloo_group(*self._args)
         return self._pg.allreduce(tensors)
 
 
@@ -121,7 +121,7 @@ def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
     if cpu_transport(spec) == "gloo":
         from backend.parallel.gloo_comm import GlooCommunicator
         return GlooCommunicator(gloo_group(spec, store, timeout), spec.rank, spec.world)
-    fallback = LazyGloo(store, spec.rank, spec.world, timeout)
+    fallback = LazyGloo(spec, store, timeout)
     if segment is None:
         return ShmCommunicator(spec.shm_name, spec.rank, spec.world, spec.slot_bytes, dtype,
                                create=False, fallback=fallback, peers_alive=peers_alive)

@@ -3,7 +3,7 @@ where shared memory does not reach.
 
 On one host it is selectable with TPLLM_TP_TRANSPORT=gloo (comm_select.py), so the multi-host
 transport runs and is measured here: its fixed cost per call (~240 us for 576 floats on this
-machine, against ~3 us over shared memory) is what seed 000's TP4-slower-than-TP2 is made of.
+machine, against ~11-20 us over shared memory) is what seed 000's TP4-slower-than-TP2 is made of.
 """
 from __future__ import annotations
 

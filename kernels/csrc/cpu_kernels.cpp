@@ -170,8 +170,8 @@ inline void block_group_generic(const float* qf, const float* kblk, const float*
 
 // One task: the query heads of one sequence against its KV blocks [blk_begin, blk_end), online
 // softmax block by block. Leaves unnormalised acc [Hq, D], running max mx [Hq] and denominator
-// den [Hq]. A block is [BS, Hkv, D] contiguous and is read once, in order; the next block (blocks
-// are scattered: the hardware prefetcher stops at them) is prefetched while this one is used.
+// den [Hq]. A block is [BS, Hkv, D] contiguous and is read once, in order; the block two ahead
+// (blocks are scattered: the hardware prefetcher stops at them) is prefetched meanwhile.
 // heads_by_kv lists the query heads grouped by the KV head they read, group kh at
 // [group_start[kh], group_start[kh + 1]).
 template <typename T>
@@ -417,6 +417,16 @@ void sum_slots(const T* slots, int64_t world, int64_t stride, int64_t n, T* out)
   }
 }
 
+// out (contiguous, out.numel() elements) = the sum of every rank's slot
+void sum_slots_into(const torch::Tensor& slots, torch::Tensor& out) {
+  if (out.scalar_type() == torch::kBFloat16)
+    sum_slots(slots.data_ptr<bf16>(), slots.size(0), slots.size(1), out.numel(),
+              out.data_ptr<bf16>());
+  else
+    sum_slots(slots.data_ptr<float>(), slots.size(0), slots.size(1), out.numel(),
+              out.data_ptr<float>());
+}
+
 }  // namespace
 
 // q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, MB]; context_lens [B];
@@ -521,12 +531,7 @@ c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots
         cpu_relax();
       }
     }
-    if (arrived) {
-      if (x.scalar_type() == torch::kBFloat16)
-        sum_slots(slots.data_ptr<bf16>(), world, stride, n, out.data_ptr<bf16>());
-      else
-        sum_slots(slots.data_ptr<float>(), world, stride, n, out.data_ptr<float>());
-    }
+    if (arrived) sum_slots_into(slots, out);
   }
   if (!arrived) return c10::nullopt;
   return out;
@@ -538,12 +543,7 @@ torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == x.scalar_type() &&
                   x.numel() <= slots.size(1), "shm_sum: slots of x's dtype");
   auto out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (x.scalar_type() == torch::kBFloat16)
-    sum_slots(slots.data_ptr<bf16>(), slots.size(0), slots.size(1), x.numel(),
-              out.data_ptr<bf16>());
-  else
-    sum_slots(slots.data_ptr<float>(), slots.size(0), slots.size(1), x.numel(),
-              out.data_ptr<float>());
+  sum_slots_into(slots, out);
   return out;
 }
 
