@@ -12,7 +12,7 @@ from backend.model.config import ModelConfig
 from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
                                   RMSNorm, RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
-from backend.parallel.partition import balanced_mlp_rows
+from backend.parallel.partition import split_range
 from kernels import reference, select_ops
 
 # checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
@@ -30,8 +30,11 @@ class MLP(DirectModule):
                  ops: ModuleType = reference):
         super().__init__()
         self.ops = ops
-        rows = balanced_mlp_rows(cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, ctx.rank, ctx.world_size)
+        # An even split, whatever the head split: the MLP sits between two collectives, so it
+        # must balance on its own. (Shifting rows to the rank with fewer heads, to even out the
+        # whole layer's bytes, made each rank wait at every other collective: SmolLM2 TP2
+        # decode lost ~30 us per collective; the even split is ~3% faster end to end.)
+        rows = split_range(cfg.intermediate_size, ctx.rank, ctx.world_size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": rows, "up": rows},
                                                  bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,

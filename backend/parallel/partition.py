@@ -51,25 +51,3 @@ class HeadPartition:
         idx = self.kv_index_for_q()
         g = self.num_q // self.num_kv
         return g * self.num_kv == self.num_q and idx == [i // g for i in range(self.num_q)]
-
-
-def balanced_mlp_rows(intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                      rank: int, world: int) -> tuple[int, int]:
-    """[start, end) of rank's MLP rows, shifted so that every rank streams about the same weight
-    bytes per token. Decode is weight-bandwidth bound and each layer ends in a collective, so the
-    slowest rank sets the pace; when heads split unevenly (SmolLM2: 9 over 2 = 4 + 5) the rank
-    with fewer heads takes more MLP rows (768 + 21 and 768 - 21). Per rank and layer, attention
-    holds 2 * head_dim * (q heads + kv heads) weights per hidden unit (q, o; k, v); an MLP row
-    holds 3 (gate, up, down)."""
-    parts = [HeadPartition.build(num_heads, num_kv_heads, r, world) for r in range(world)]
-    attention = [2 * head_dim * (p.num_q + p.num_kv) / 3 for p in parts]  # in MLP rows
-    rows = [max(0, round((sum(attention) + intermediate) / world - a)) for a in attention]
-    # settle rounding one row at a time, round-robin from the rank with the most rows
-    order, i = sorted(range(world), key=lambda r: -rows[r]), 0
-    while (diff := intermediate - sum(rows)) != 0:
-        r, step = order[i % world], (1 if diff > 0 else -1)
-        i += 1
-        if rows[r] + step >= 0:
-            rows[r] += step
-    start = sum(rows[:rank])
-    return start, start + rows[rank]
