@@ -10,6 +10,7 @@ import torch
 from backend.engine.decode_graphs import DecodeGraphs
 from backend.engine.device_inputs import DeviceInputs
 from backend.engine.step_inputs import StepInputs
+from backend.model import host_memory
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
 from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
@@ -28,10 +29,15 @@ class ModelRunner:
         self.rotary = RotaryTables(cfg, max_model_len, dtype, self.device)
         attn = model.layers[0].self_attn
         shape = (num_blocks + 1, block_size, attn.num_kv, cfg.head_dim)  # + the scratch block
-        # Allocated (and touched, so the OS commits it) once, at load.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        # Allocated (and touched, so the OS commits it) once, at load; on CPU in one huge-page
+        # mapping like the weights (decode reads every cached token of every layer each step).
+        if self.device.type == "cpu":
+            flat = host_memory.zeros([shape] * (2 * cfg.num_layers), dtype)
+            self.kv_caches = list(zip(flat[0::2], flat[1::2]))
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                               torch.zeros(shape, dtype=dtype, device=self.device))
+                              for _ in range(cfg.num_layers)]
         self.inputs = DeviceInputs(self.device)
         self.decode_graphs: DecodeGraphs | None = None
         self._cuda_index = self.device.index if self.device.type == "cuda" else None

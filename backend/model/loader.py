@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from backend.model import host_memory
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
 from backend.model.llama import LlamaForCausalLM, map_checkpoint_name
@@ -40,8 +41,11 @@ def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext, dtype: t
                device: torch.device | str | None = None) -> LlamaForCausalLM:
     """Parameters are created on `device` (default: torch's default device) and each slice is
     copied there straight from the file; the model picks its kernels by that device."""
-    with torch.device(device if device is not None else torch.get_default_device()):
+    device = torch.device(device if device is not None else torch.get_default_device())
+    with device:
         model = LlamaForCausalLM(cfg, ctx, dtype)
+    if device.type == "cpu":
+        host_memory.move_parameters(model)  # huge pages: decode streams every weight per token
     params = dict(model.named_parameters(remove_duplicate=False))
     needed = {(n, sid) for n, p in params.items() for sid in p.shards
               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
