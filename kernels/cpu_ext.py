@@ -1,4 +1,4 @@
-"""Builds (once) and loads the fused C++ CPU kernels in kernels/csrc/cpu_kernels.cpp.
+"""Builds (once) and loads the fused C++ CPU kernels in kernels/csrc (one module).
 
 The build is cached under the project cache dir, keyed by the source, torch version and CPU
 flags, so it happens at `make setup` (python -m kernels.cpu_ext) or the first start, never per
@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("kernels")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "cpu_gemv.cpp"]
 # fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
 # where the arithmetic is the same
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -32,8 +33,9 @@ def _cache_dir() -> Path:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + flags.encode() +
-                         sys.version.encode() + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + sys.version.encode()
+                         + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits
     # below backend/ and may not import it.
     root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
@@ -56,7 +58,7 @@ def load():
     if fresh:
         log.info("building the C++ CPU kernels (one time) in %s", build_dir)
     try:
-        return cpp_extension.load(name="tpllm_cpu_kernels", sources=[str(_SOURCE)],
+        return cpp_extension.load(name="tpllm_cpu_kernels", sources=[str(p) for p in _SOURCES],
                                   extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                                   build_directory=str(build_dir),
                                   verbose=False)

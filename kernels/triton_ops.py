@@ -2,9 +2,9 @@
 
 Imported only when chosen (kernels.select_ops), so the CPU path never loads Triton.
 write_kv stays torch's index_copy_: one memory-bound copy that already runs as a single CUDA
-kernel per tensor and is capturable in CUDA graphs.
+kernel per tensor and is capturable in CUDA graphs; linear stays cuBLAS.
 """
-from kernels.reference import write_kv
+from kernels.reference import linear, write_kv
 from kernels.triton_activation import silu_mul
 from kernels.triton_attention import decode_attention, prefill_attention, prefill_attention_varlen
 from kernels.triton_norm import add_rms_norm, rms_norm
@@ -21,6 +21,6 @@ def rotary_write_kv(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping
     write_kv(qk[:, num_q:], v, k_cache, v_cache, slot_mapping)
     return qk[:, :num_q], qk[:, num_q:], v
 
-__all__ = ["rms_norm", "add_rms_norm", "silu_mul", "rotary", "rotary_write_kv", "write_kv",
+__all__ = ["linear", "rms_norm", "add_rms_norm", "silu_mul", "rotary", "rotary_write_kv", "write_kv",
            "decode_attention",
            "prefill_attention", "prefill_attention_varlen"]

@@ -64,6 +64,34 @@ def test_paged_decode_attention_split_contexts(splits, hq, hkv, d, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False)])
+def test_small_m_linear(m, k, n, bias):
+    """The decode linear equals torch's (K not a multiple of 16 and N not of 4 included), and
+    each row is the same bits alone or in any batch up to SMALL_M: no batch dependence."""
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_ops.linear(x, w, b)
+    # another summation order than MKL's: rounding grows like sqrt(K) for unit-scale inputs
+    torch.testing.assert_close(got, ref.linear(x, w, b), rtol=1e-5, atol=1e-5 * k ** 0.5)
+    for i in {0, m - 1}:
+        assert torch.equal(cpu_ops.linear(x[i:i + 1].contiguous(), w, b)[0], got[i])
+
+
+def test_linear_beyond_small_m_and_other_dtypes_use_torch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_ops, "_ext", type("Spy", (), {
+        "small_m_linear": staticmethod(lambda *a: calls.append(a) or torch.zeros(0))}))
+    w = torch.randn(8, 16)
+    cpu_ops.linear(torch.randn(cpu_ops.SMALL_M + 1, 16), w)
+    cpu_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    cpu_ops.linear(torch.randn(16, 2).t(), w)  # not contiguous
+    assert not calls
+    cpu_ops.linear(torch.randn(cpu_ops.SMALL_M, 16), w)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 7), (300, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(rows, inter, dtype):

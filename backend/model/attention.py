@@ -30,9 +30,9 @@ class Attention(DirectModule):
         kv_rows = (part.kv_start * d, part.kv_end * d)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, {"q": (part.q_start * d, part.q_end * d), "k": kv_rows, "v": kv_rows},
-            bias=cfg.qkv_bias, dtype=dtype)
+            bias=cfg.qkv_bias, dtype=dtype, ops=ops)
         self.o_proj = RowParallelLinear((part.q_start * d, part.q_end * d), cfg.hidden_size,
-                                        bias=cfg.o_bias, dtype=dtype, ctx=ctx)
+                                        bias=cfg.o_bias, dtype=dtype, ctx=ctx, ops=ops)
         # Uneven head splits under TP break GQA's equal groups: map each query head explicitly.
         self.kv_index = None if part.uniform_groups else torch.tensor(part.kv_index_for_q())
 

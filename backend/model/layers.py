@@ -40,8 +40,9 @@ class ColumnParallelLinear(DirectModule):
     gate/up) and the [start, end) of its output rows this rank owns; they are stacked in order."""
 
     def __init__(self, in_features: int, rows: dict[str | None, tuple[int, int]], bias: bool,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, ops: ModuleType = reference):
         super().__init__()
+        self.ops = ops
         offsets, off = {}, 0
         for sid, (s, e) in rows.items():
             offsets[sid] = (0, s, e, off)
@@ -51,22 +52,22 @@ class ColumnParallelLinear(DirectModule):
         self.bias = _param((off,), dtype, offsets) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(DirectModule):
     """Input features split across ranks; partial sums are all-reduced (the layer's collective)."""
 
     def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool,
-                 dtype: torch.dtype, ctx: ParallelContext):
+                 dtype: torch.dtype, ctx: ParallelContext, ops: ModuleType = reference):
         super().__init__()
         s, e = in_range
-        self.ctx = ctx
+        self.ctx, self.ops = ctx, ops
         self.weight = _param((out_features, e - s), dtype, {None: (1, s, e, 0)})
         self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(self.ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -94,9 +95,9 @@ class ParallelLMHead(DirectModule):
     other ranks return None."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext,
-                 tied: VocabParallelEmbedding | None = None):
+                 tied: VocabParallelEmbedding | None = None, ops: ModuleType = reference):
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.ops = ctx, ops
         self.shard_sizes = [e - s for s, e in (split_range(vocab_size, r, ctx.world_size)
                                                for r in range(ctx.world_size))]
         if tied is not None:
@@ -106,7 +107,7 @@ class ParallelLMHead(DirectModule):
             self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.ctx.gather_first(F.linear(x, self.weight), self.shard_sizes)
+        logits = self.ctx.gather_first(self.ops.linear(x, self.weight), self.shard_sizes)
         return None if logits is None else logits.float()
 
 

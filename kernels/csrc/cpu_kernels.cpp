@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -27,32 +29,6 @@ template <typename T>
 inline void axpy(float* y, const T* x, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
-}
-
-// Fixed-width vectors (GCC/Clang vector extensions: AVX-512 or 2 x AVX2 on x86, NEON on Arm) for
-// the attention block step below; the compiler's `omp simd` reductions summed lanes one by one.
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-inline v16f load16(const float* p) {
-  v16f v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-inline float sum16(v16f v) {
-  v8f a, b;
-  __builtin_memcpy(&a, &v, sizeof(a));
-  __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
-  const v8f s8 = a + b;
-  v4f c, d;
-  __builtin_memcpy(&c, &s8, sizeof(c));
-  __builtin_memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof(c), sizeof(d));
-  const v4f s4 = c + d;
-  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
 }
 
 // exp(x) for x <= 0 (softmax arguments), vectorizable: 2^k * p(r) with x = k ln2 + r, |r| <=
@@ -547,7 +523,12 @@ torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
   return out;
 }
 
+// cpu_gemv.cpp
+torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
+                             c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_m_linear", &small_m_linear);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
