@@ -35,9 +35,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      batch: DecodeBatch, scale: float,
                      kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy), each block once, and splits
-    # long contexts of short batches across threads. 2 threads, float32, per layer (9 q / 3 kv
-    # heads): B=1 x 1088 tokens 59 us (cache-warm) / 122 us (cold), B=64 x 320 tokens 1.34 ms
-    # (~23 GB/s: bandwidth-bound); gather + SDPA took 3.4 ms for the latter.
+    # long contexts of short batches across threads; head_dim 64 on AVX-512 has its own block
+    # step (csrc/attn_avx512.h). 2 threads, float32, per layer (9 q / 3 kv heads): B=1 x 1088
+    # tokens 55 us cache-warm, 106 us inside a decode step (portable step: 79 / 123 us);
+    # B=64 x 320 tokens 1.05 ms (portable 1.34; gather + SDPA took 3.4 ms).
     if q.dtype not in _STORAGE:
         return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
     if kv_index is None:

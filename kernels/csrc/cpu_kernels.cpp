@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "attn_avx512.h"
 
 namespace {
 
@@ -193,6 +194,11 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
         int64_t G;
         if (D == 64) {
           G = std::min<int64_t>(left, 4);
+#if defined(__AVX512F__)
+          avx512::block_group_d64(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den);
+          g += G;
+          continue;
+#endif
           block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
                                   sc.data(), BS);
         } else if (D == 128) {

@@ -1,0 +1,101 @@
+// The decode-attention block step for head_dim 64 in AVX-512: up to 4 query heads that read one
+// KV head, against one KV block of n tokens (any n: taken 16 at a time), online softmax.
+//
+// Why: the portable step (cpu_kernels.cpp, block_group_fast) sums each token's score with its
+// own 16-lane horizontal reduction and runs the softmax in scalar code; one thread spent ~160 us
+// per SmolLM2 layer at 1088 tokens, twice the time its 1.67 MB of KV take to stream. Here the 16
+// tokens' partial dot products are transposed and summed together (45 shuffles and adds instead
+// of 16 reductions), and max, exp and sum run on whole vectors.
+#pragma once
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+
+namespace avx512 {
+
+// d[j] (j < 16) -> one vector whose lane j is the sum of d[j]'s lanes
+inline __m512 transpose_sum16(const __m512* d) {
+  __m512 e[8], f[4];
+  for (int j = 0; j < 8; ++j)  // lanes of 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3]
+    e[j] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * j], d[2 * j + 1]),
+                         _mm512_unpackhi_ps(d[2 * j], d[2 * j + 1]));
+  for (int k = 0; k < 4; ++k)  // each 128-bit lane: tokens 4k..4k+3, partial over that lane
+    f[k] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0xEE));
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x44),
+                                   _mm512_shuffle_f32x4(f[0], f[1], 0xEE));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x44),
+                                   _mm512_shuffle_f32x4(f[2], f[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+// exp(x) for x <= 0: 2^k * p(r), x = k ln2 + r, p the degree-6 Taylor polynomial of the scalar
+// exp_nonpositive (cpu_kernels.cpp)
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
+// heads[0, G) (G <= 4) all read KV head kh; rows of the block are `row` floats apart.
+// acc [Hq, 64] (unnormalised), mx / den [Hq]: the heads' running softmax states.
+inline void block_group_d64(const float* qf, const float* kblk, const float* vblk, int64_t n,
+                            int64_t row, int64_t kh, const int64_t* heads, int64_t G,
+                            float scale, float* acc, float* mx, float* den) {
+  constexpr int GMAX = 4;  // registers: p[4] + a[4][4] + the V row's 4 stay below 32
+  const float* kb = kblk + kh * 64;
+  const float* vb = vblk + kh * 64;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nc = static_cast<int>(std::min<int64_t>(16, n - j0));
+    const __mmask16 valid = static_cast<__mmask16>((1u << nc) - 1u);
+    __m512 p[GMAX], a[GMAX][4];
+    for (int g = 0; g < G; ++g) {
+      const float* q = qf + heads[g] * 64;
+      const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
+                   q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+      __m512 d[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const float* k = kb + (j0 + std::min(j, nc - 1)) * row;  // rows past n: masked below
+        __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+        s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
+        s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
+        d[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
+      }
+      const __m512 s = _mm512_mul_ps(transpose_sum16(d), _mm512_set1_ps(scale));
+      const int64_t h = heads[g];
+      const float m = std::max(mx[h], _mm512_mask_reduce_max_ps(valid, s));
+      const float corr = std::exp(mx[h] - m);  // 0 on the first block: acc is still 0
+      mx[h] = m;
+      p[g] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+      den[h] = den[h] * corr + _mm512_reduce_add_ps(p[g]);
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * 64 + 16 * c), cv);
+    }
+    for (int j = 0; j < nc; ++j) {
+      const float* v = vb + (j0 + j) * row;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16),
+                   v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+      const __m512i lane = _mm512_set1_epi32(j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pj = _mm512_permutexvar_ps(lane, p[g]);
+        a[g][0] = _mm512_fmadd_ps(pj, v0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(pj, v1, a[g][1]);
+        a[g][2] = _mm512_fmadd_ps(pj, v2, a[g][2]);
+        a[g][3] = _mm512_fmadd_ps(pj, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + heads[g] * 64 + 16 * c, a[g][c]);
+  }
+}
+
+}  // namespace avx512
+#endif
