@@ -16,7 +16,7 @@ from pathlib import Path
 
 log = logging.getLogger("kernels")
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "cpu_gemv.cpp"]
+_SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "decode_layer.cpp")]
 # fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
 # where the arithmetic is the same
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

@@ -69,6 +69,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# A decode-only float32 step may run each decoder layer as two C++ calls instead of ~10 Python-level
+# ones (csrc/decode_layer.cpp; bit-identical to the modular path). The model checks this flag.
+FUSED_DECODE = True
+
+
+def decode_attention_half(x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
+                          norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
+                          qkv_bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                          num_q: int, num_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, batch: DecodeBatch, scale: float,
+                          kv_index: torch.Tensor | None, o_weight: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[add + RMSNorm], qkv, rotary + KV write, attention, o_proj's partial sum (no bias)."""
+    if kv_index is None:
+        kv_index = _uniform_kv_index(num_q, num_kv)
+    y, residual = _ext.decode_attention_half(
+        x, residual, add_residual, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_q,
+        num_kv, k_cache, v_cache, slot_mapping, batch.block_tables, batch.context_lens, scale,
+        kv_index, o_weight)
+    return y, residual
+
+
+def decode_mlp_half(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                    down_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """add + RMSNorm, gate_up, silu * up, down_proj's partial sum (no bias)."""
+    y, residual = _ext.decode_mlp_half(x, residual, norm_weight, eps, gate_up_weight,
+                                       gate_up_bias, down_weight)
+    return y, residual
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # One pass with a vectorized exp; torch's silu-then-mul is two passes over a strided half
     # (2 threads, 2048 rows of 1536: 1.5 vs 1.6 ms; 64 rows: 119 vs 179 us).

@@ -139,3 +139,33 @@ def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
     assert done.wait(10)
     assert stream.finished
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
+    """With the C++ CPU kernels, decode steps run each layer as two calls
+    (kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities, to the bit, as the
+    layer-by-layer path (this model is a Qwen2: qkv bias; batch of 3 and of 1)."""
+    model = llm.engine.runner.model
+    if not model.fused_decode:
+        pytest.skip("C++ CPU kernels not built here")
+    from kernels import cpu_ops
+    calls = []
+    half = cpu_ops.decode_attention_half
+    monkeypatch.setattr(cpu_ops, "decode_attention_half", lambda *a: calls.append(1) or half(*a))
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
+    prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]
+
+    def run():
+        return [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompts, sp)
+                + llm.generate(prompts[:1], sp)]
+
+    fused = run()
+    assert calls  # the fused path ran
+    model.fused_decode = False
+    try:
+        calls.clear()
+        modular = run()
+        assert not calls
+    finally:
+        model.fused_decode = True
+    assert fused == modular

@@ -67,7 +67,11 @@ class RowParallelLinear(DirectModule):
         self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(self.ops.linear(x, self.weight))
+        return self.reduce(self.ops.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product -> the layer's output: all-reduce, then the bias."""
+        y = self.ctx.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

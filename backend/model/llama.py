@@ -48,6 +48,7 @@ class DecoderLayer(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(cfg, ctx, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -63,6 +64,25 @@ class DecoderLayer(DirectModule):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_decode(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a decode-only step with ops.FUSED_DECODE: each half of the layer is one
+        kernel call, the collectives stay between them. Same arithmetic, same bits."""
+        ops, attn, mlp = self.ops, self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        add = residual is not None
+        if not add:
+            residual, x = x, norm1(x)
+        y, residual = ops.decode_attention_half(
+            x, residual, add, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            meta.cos, meta.sin, attn.num_q, attn.num_kv, kv_cache[0], kv_cache[1],
+            meta.slot_mapping, meta.decode, attn.scale, attn.kv_index, attn.o_proj.weight)
+        y, residual = ops.decode_mlp_half(
+            attn.o_proj.reduce(y), residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias, mlp.down_proj.weight)
+        return mlp.down_proj.reduce(y), residual
+
 
 class LlamaForCausalLM(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
@@ -76,6 +96,8 @@ class LlamaForCausalLM(DirectModule):
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, ops)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        # decode-only steps may run each layer as two fused kernel calls (DecoderLayer.forward_decode)
+        self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False))
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied,
                                       ops=ops)
@@ -89,14 +111,20 @@ class LlamaForCausalLM(DirectModule):
         Under tensor parallelism only rank 0 gets logits; the others get None."""
         x = self.embed_tokens(input_ids)
         residual = None
+        run = DecoderLayer.forward_decode if self._fused_step(x, meta) else DecoderLayer.forward
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, meta, kv)
+            x, residual = run(layer, x, residual, meta, kv)
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits.
         x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.norm(x, residual)
         return self.lm_head(x)
+
+
+    def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (self.fused_decode and not meta.prefills and meta.decode is not None
+                and x.dtype == torch.float32 and x.shape[0] <= self.ops.SMALL_M)
 
 
 def map_checkpoint_name(name: str, tied_embeddings: bool) -> tuple[str, str | None] | None:

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
 #include "vec.h"
 
 namespace {

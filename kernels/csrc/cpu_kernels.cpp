@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "vec.h"
 #include "attn_avx512.h"
 
@@ -529,12 +530,10 @@ torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
   return out;
 }
 
-// cpu_gemv.cpp
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);
+  m.def("decode_attention_half", &decode_attention_half);
+  m.def("decode_mlp_half", &decode_mlp_half);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
