@@ -142,30 +142,34 @@ def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
 
 
 def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
-    """With the C++ CPU kernels, decode steps run each layer as two calls
-    (kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities, to the bit, as the
-    layer-by-layer path (this model is a Qwen2: qkv bias; batch of 3 and of 1)."""
+    """With the C++ CPU kernels, decode steps run all layers in one call (one rank), or each
+    layer as two calls (kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,
+    to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
     model = llm.engine.runner.model
     if not model.fused_decode:
         pytest.skip("C++ CPU kernels not built here")
     from kernels import cpu_ops
     calls = []
-    half = cpu_ops.decode_attention_half
-    monkeypatch.setattr(cpu_ops, "decode_attention_half", lambda *a: calls.append(1) or half(*a))
+    for name in ("decode_stack", "decode_attention_half"):
+        fn = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
     prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]
 
-    def run():
-        return [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompts, sp)
-                + llm.generate(prompts[:1], sp)]
-
-    fused = run()
-    assert calls  # the fused path ran
-    model.fused_decode = False
-    try:
+    def run(stack: bool, fused: bool):
+        model.fused_stack, model.fused_decode = stack, fused
         calls.clear()
-        modular = run()
-        assert not calls
-    finally:
-        model.fused_decode = True
-    assert fused == modular
+        try:
+            out = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompts, sp)
+                   + llm.generate(prompts[:1], sp)]
+        finally:
+            model.fused_stack = model.fused_decode = True
+        return out, set(calls)
+
+    stack, used = run(True, True)
+    assert used == {"decode_stack"}
+    halves, used = run(False, True)
+    assert used == {"decode_attention_half"}
+    modular, used = run(False, False)
+    assert not used
+    assert stack == halves == modular

@@ -83,6 +83,16 @@ class DecoderLayer(DirectModule):
             mlp.gate_up_proj.bias, mlp.down_proj.weight)
         return mlp.down_proj.reduce(y), residual
 
+    def bind_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        """This layer for ops.decode_stack (one rank)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        return self.ops.decode_layer(
+            norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_q,
+            attn.num_kv, kv_cache[0], kv_cache[1], attn.scale, attn.kv_index, attn.o_proj.weight,
+            attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
 
 class LlamaForCausalLM(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
@@ -98,6 +108,9 @@ class LlamaForCausalLM(DirectModule):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # decode-only steps may run each layer as two fused kernel calls (DecoderLayer.forward_decode)
         self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False))
+        # ...and with one rank, all layers as one call (ops.decode_stack); bound lazily, per KV cache
+        self.fused_stack = self.fused_decode and ctx.world_size == 1
+        self._bound: tuple[int, list] | None = None
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied,
                                       ops=ops)
@@ -111,9 +124,15 @@ class LlamaForCausalLM(DirectModule):
         Under tensor parallelism only rank 0 gets logits; the others get None."""
         x = self.embed_tokens(input_ids)
         residual = None
-        run = DecoderLayer.forward_decode if self._fused_step(x, meta) else DecoderLayer.forward
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = run(layer, x, residual, meta, kv)
+        fused = self._fused_step(x, meta)
+        if fused and self.fused_stack:
+            residual, x = x, self.layers[0].input_layernorm(x)
+            x, residual = self.ops.decode_stack(self._bound_layers(kv_caches), x, residual, False,
+                                                meta.cos, meta.sin, meta.slot_mapping, meta.decode)
+        else:
+            run = DecoderLayer.forward_decode if fused else DecoderLayer.forward
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = run(layer, x, residual, meta, kv)
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits.
@@ -121,6 +140,12 @@ class LlamaForCausalLM(DirectModule):
         x, _ = self.norm(x, residual)
         return self.lm_head(x)
 
+
+    def _bound_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
+        key = kv_caches[0][0].data_ptr()
+        if self._bound is None or self._bound[0] != key:
+            self._bound = (key, [layer.bind_decode(kv) for layer, kv in zip(self.layers, kv_caches)])
+        return self._bound[1]
 
     def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (self.fused_decode and not meta.prefills and meta.decode is not None

@@ -534,6 +534,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);
   m.def("decode_attention_half", &decode_attention_half);
   m.def("decode_mlp_half", &decode_mlp_half);
+  bind_decode_layer(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("add_rms_norm_", &add_rms_norm_);

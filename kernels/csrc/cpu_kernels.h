@@ -24,3 +24,4 @@ std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residu
                                            torch::Tensor gate_up_weight,
                                            c10::optional<torch::Tensor> gate_up_bias,
                                            torch::Tensor down_weight);
+void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack

@@ -7,6 +7,8 @@
 // the same kernels in the same order, so results are bit-identical to it.
 #include "cpu_kernels.h"
 
+#include <pybind11/stl.h>
+
 // [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
 // projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
 // without o's bias). Returns {partial o output, residual}.
@@ -36,4 +38,50 @@ std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residu
   add_rms_norm_(x, residual, norm_weight, eps);
   auto h = silu_mul(small_m_linear(x, gate_up_weight, gate_up_bias));
   return {small_m_linear(h, down_weight, c10::nullopt), residual};
+}
+
+// A decoder layer's weights, caches and constants, bound once so a decode step passes only its
+// per-step tensors (pybind's conversion of ~18 arguments per call was itself ~10 us).
+struct DecodeLayer {
+  torch::Tensor norm1, qkv_w, o_w, norm2, gate_up_w, down_w, k_cache, v_cache, kv_index;
+  c10::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
+  double eps1, eps2, scale;
+  int64_t Hq, Hkv;
+};
+
+// Every layer of a one-rank model for a decode-only step, without returning to Python between
+// layers (there is no collective to wait for). x is the first layer's input, already normed
+// when `add_residual` is false (residual then holds the un-normed input). Returns {x, residual}
+// after the last layer, bit-identical to calling the halves with the biases added in between.
+std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, torch::Tensor x,
+                                        torch::Tensor residual, bool add_residual,
+                                        torch::Tensor cos, torch::Tensor sin,
+                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                        torch::Tensor context_lens) {
+  for (const auto& l : layers) {
+    auto a = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w, l.qkv_b,
+                                   cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping,
+                                   block_tables, context_lens, l.scale, l.kv_index, l.o_w);
+    if (l.o_b.has_value()) a[0].add_(*l.o_b);
+    auto m = decode_mlp_half(a[0], a[1], l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+    if (l.down_b.has_value()) m[0].add_(*l.down_b);
+    x = m[0], residual = m[1], add_residual = true;
+  }
+  return {x, residual};
+}
+
+void bind_decode_layer(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(py::init([](torch::Tensor norm1, double eps1, torch::Tensor qkv_w,
+                       c10::optional<torch::Tensor> qkv_b, int64_t Hq, int64_t Hkv,
+                       torch::Tensor k_cache, torch::Tensor v_cache, double scale,
+                       torch::Tensor kv_index, torch::Tensor o_w, c10::optional<torch::Tensor> o_b,
+                       torch::Tensor norm2, double eps2, torch::Tensor gate_up_w,
+                       c10::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
+                       c10::optional<torch::Tensor> down_b) {
+        return DecodeLayer{norm1, qkv_w, o_w, norm2, gate_up_w, down_w, k_cache, v_cache,
+                           kv_index, qkv_b, o_b, gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
+      }));
+  m.def("decode_stack", &decode_stack);
 }
