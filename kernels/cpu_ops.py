@@ -70,34 +70,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # A decode-only float32 step may run each decoder layer as two C++ calls instead of ~10 Python-level
-# ones (csrc/decode_layer.cpp; bit-identical to the modular path). The model checks this flag.
+# ones, or with one rank all layers as one (csrc/decode_layer.cpp; bit-identical to the modular
+# path). The model checks this flag.
 FUSED_DECODE = True
-
-
-def decode_attention_half(x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
-                          norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
-                          qkv_bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                          num_q: int, num_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, batch: DecodeBatch, scale: float,
-                          kv_index: torch.Tensor | None, o_weight: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[add + RMSNorm], qkv, rotary + KV write, attention, o_proj's partial sum (no bias)."""
-    if kv_index is None:
-        kv_index = _uniform_kv_index(num_q, num_kv)
-    y, residual = _ext.decode_attention_half(
-        x, residual, add_residual, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, num_q,
-        num_kv, k_cache, v_cache, slot_mapping, batch.block_tables, batch.context_lens, scale,
-        kv_index, o_weight)
-    return y, residual
-
-
-def decode_mlp_half(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                    down_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """add + RMSNorm, gate_up, silu * up, down_proj's partial sum (no bias)."""
-    y, residual = _ext.decode_mlp_half(x, residual, norm_weight, eps, gate_up_weight,
-                                       gate_up_bias, down_weight)
-    return y, residual
 
 
 def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
@@ -106,7 +81,7 @@ def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
                  o_weight: torch.Tensor, o_bias: torch.Tensor | None, norm2: torch.Tensor,
                  eps2: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
                  down_weight: torch.Tensor, down_bias: torch.Tensor | None):
-    """One layer's weights and caches bound for decode_stack."""
+    """One layer's weights and caches, bound for decode_stack and the decode halves."""
     if kv_index is None:
         kv_index = _uniform_kv_index(num_q, num_kv)
     return _ext.DecodeLayer(norm1, eps1, qkv_weight, qkv_bias, num_q, num_kv, k_cache, v_cache,
@@ -121,6 +96,23 @@ def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_resi
     x, residual = _ext.decode_stack(layers, x, residual, add_residual, cos, sin, slot_mapping,
                                     batch.block_tables, batch.context_lens)
     return x, residual
+
+
+def decode_attention_half(layer, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
+                          cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                          batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bound layer's [add + RMSNorm], qkv, rotary + KV write, attention and o_proj's partial
+    sum (no bias: it follows the all-reduce)."""
+    y, residual = _ext.decode_attention_half(layer, x, residual, add_residual, cos, sin,
+                                             slot_mapping, batch.block_tables, batch.context_lens)
+    return y, residual
+
+
+def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bound layer's add + RMSNorm, gate_up, silu * up and down_proj's partial sum (no bias)."""
+    y, residual = _ext.decode_mlp_half(layer, x, residual)
+    return y, residual
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

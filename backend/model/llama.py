@@ -65,26 +65,21 @@ class DecoderLayer(DirectModule):
         return self.mlp(x), residual
 
     def forward_decode(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for a decode-only step with ops.FUSED_DECODE: each half of the layer is one
-        kernel call, the collectives stay between them. Same arithmetic, same bits."""
-        ops, attn, mlp = self.ops, self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+                       meta: AttentionMetadata, bound) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a decode-only step with ops.FUSED_DECODE and this layer bound
+        (bind_decode): each half of the layer is one kernel call, the collectives stay between
+        them. Same arithmetic, same bits."""
+        ops = self.ops
         add = residual is not None
         if not add:
-            residual, x = x, norm1(x)
-        y, residual = ops.decode_attention_half(
-            x, residual, add, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            meta.cos, meta.sin, attn.num_q, attn.num_kv, kv_cache[0], kv_cache[1],
-            meta.slot_mapping, meta.decode, attn.scale, attn.kv_index, attn.o_proj.weight)
-        y, residual = ops.decode_mlp_half(
-            attn.o_proj.reduce(y), residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias, mlp.down_proj.weight)
-        return mlp.down_proj.reduce(y), residual
+            residual, x = x, self.input_layernorm(x)
+        y, residual = ops.decode_attention_half(bound, x, residual, add, meta.cos, meta.sin,
+                                                meta.slot_mapping, meta.decode)
+        y, residual = ops.decode_mlp_half(bound, self.self_attn.o_proj.reduce(y), residual)
+        return self.mlp.down_proj.reduce(y), residual
 
     def bind_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        """This layer for ops.decode_stack (one rank)."""
+        """This layer's weights and KV cache bound for the fused decode kernels."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         return self.ops.decode_layer(
@@ -124,15 +119,16 @@ class LlamaForCausalLM(DirectModule):
         Under tensor parallelism only rank 0 gets logits; the others get None."""
         x = self.embed_tokens(input_ids)
         residual = None
-        fused = self._fused_step(x, meta)
-        if fused and self.fused_stack:
+        if not self._fused_step(x, meta):
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, meta, kv)
+        elif self.fused_stack:
             residual, x = x, self.layers[0].input_layernorm(x)
             x, residual = self.ops.decode_stack(self._bound_layers(kv_caches), x, residual, False,
                                                 meta.cos, meta.sin, meta.slot_mapping, meta.decode)
         else:
-            run = DecoderLayer.forward_decode if fused else DecoderLayer.forward
-            for layer, kv in zip(self.layers, kv_caches):
-                x, residual = run(layer, x, residual, meta, kv)
+            for layer, bound in zip(self.layers, self._bound_layers(kv_caches)):
+                x, residual = layer.forward_decode(x, residual, meta, bound)
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits.

@@ -532,8 +532,6 @@ torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);
-  m.def("decode_attention_half", &decode_attention_half);
-  m.def("decode_mlp_half", &decode_mlp_half);
   bind_decode_layer(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);

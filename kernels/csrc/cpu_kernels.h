@@ -13,15 +13,4 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias);
-std::vector<torch::Tensor> decode_attention_half(
-    torch::Tensor x, torch::Tensor residual, bool add_residual, torch::Tensor norm_weight,
-    double eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias,
-    torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale, torch::Tensor kv_index, torch::Tensor o_weight);
-std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residual,
-                                           torch::Tensor norm_weight, double eps,
-                                           torch::Tensor gate_up_weight,
-                                           c10::optional<torch::Tensor> gate_up_bias,
-                                           torch::Tensor down_weight);
 void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack

@@ -12,6 +12,8 @@
 // [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
 // projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
 // without o's bias). Returns {partial o output, residual}.
+namespace {
+
 std::vector<torch::Tensor> decode_attention_half(
     torch::Tensor x, torch::Tensor residual, bool add_residual, torch::Tensor norm_weight,
     double eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias,
@@ -39,6 +41,8 @@ std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residu
   auto h = silu_mul(small_m_linear(x, gate_up_weight, gate_up_bias));
   return {small_m_linear(h, down_weight, c10::nullopt), residual};
 }
+
+}  // namespace
 
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
 // per-step tensors (pybind's conversion of ~18 arguments per call was itself ~10 us).
@@ -84,4 +88,17 @@ void bind_decode_layer(pybind11::module& m) {
                            kv_index, qkv_b, o_b, gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
       }));
   m.def("decode_stack", &decode_stack);
+  // the halves for several ranks, collectives in between (o's and down's biases: after them)
+  m.def("decode_attention_half",
+        [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
+           torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+           torch::Tensor block_tables, torch::Tensor context_lens) {
+          return decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w,
+                                       l.qkv_b, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
+                                       slot_mapping, block_tables, context_lens, l.scale,
+                                       l.kv_index, l.o_w);
+        });
+  m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual) {
+    return decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+  });
 }
