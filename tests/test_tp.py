@@ -243,3 +243,18 @@ def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("tpllm-tp-*"))
     assert {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("tpllm_")} == set()
     assert set(mp.active_children()) - children_before == set()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])
+def test_worker_waits_for_the_next_step_polling_or_blocking(spin_s):
+    """A worker polls for the next step for a while, then blocks: either way it gets the message
+    (sent after its polling ran out too) and sees a closed channel as EOF."""
+    import threading
+
+    from backend.parallel.worker import _next_message
+    a, b = mp.Pipe()
+    threading.Timer(0.1, lambda: b.send_bytes(b"step")).start()
+    assert _next_message(a, spin_s) == b"step"
+    b.close()
+    with pytest.raises(EOFError):
+        _next_message(a, spin_s)
