@@ -100,19 +100,22 @@ def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_resi
 
 def decode_attention_half(layer, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
                           cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                          batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                          batch: DecodeBatch, collective: tuple | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
     """A bound layer's [add + RMSNorm], qkv, rotary + KV write, attention and o_proj's partial
-    sum (no bias: it follows the all-reduce)."""
-    y, residual = _ext.decode_attention_half(layer, x, residual, add_residual, cos, sin,
-                                             slot_mapping, batch.block_tables, batch.context_lens)
-    return y, residual
+    sum (no bias: it follows the all-reduce); with a shared-memory `collective` (see
+    ShmCommunicator.fused_collective) also the all-reduce. Returns (out, residual, arrived,
+    seconds in the collective); out is this rank's partial unless all ranks arrived."""
+    return _ext.decode_attention_half(layer, x, residual, add_residual, cos, sin, slot_mapping,
+                                      batch.block_tables, batch.context_lens, collective)
 
 
-def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bound layer's add + RMSNorm, gate_up, silu * up and down_proj's partial sum (no bias)."""
-    y, residual = _ext.decode_mlp_half(layer, x, residual)
-    return y, residual
+def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor,
+                    collective: tuple | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
+    """A bound layer's add + RMSNorm, gate_up, silu * up and down_proj's partial sum (no bias),
+    [and the all-reduce]; returns as decode_attention_half."""
+    return _ext.decode_mlp_half(layer, x, residual, collective)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

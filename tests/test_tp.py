@@ -74,6 +74,28 @@ def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
     assert _pids_alive(pids) == []
 
 
+def test_fused_decode_collectives_late_peer_path(default_model_dir, tp1_reference, monkeypatch):
+    """Decode steps do each all-reduce inside the C++ layer halves. When a peer has not arrived
+    within the kernel's spins (forced here: no spins at all on rank 0), the kernel returns the
+    posted partial and Python waits and sums: still the TP1 tokens."""
+    tokens, _, _ = tp1_reference
+    llm = LLM(model=str(default_model_dir), tensor_parallel_size=2, **SMALL_ENGINE)
+    try:
+        comm = llm.engine.group.comm
+        if comm._native is None:
+            pytest.skip("C++ CPU kernels not built here")
+        comm._native_spins = 0
+        late = []
+        finish = comm.finish_fused
+        monkeypatch.setattr(comm, "finish_fused", lambda out, arrived, *a: late.append(
+            not arrived) or finish(out, arrived, *a))
+        outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+        assert [o.token_ids for o in outs] == tokens
+        assert any(late) and not all(late)  # both paths ran
+    finally:
+        llm.close()
+
+
 def test_tiny_qwen2_qkv_bias_tp(tmp_path):
     make_tiny_checkpoint("qwen2", tmp_path, num_heads=6, num_kv_heads=2)
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]

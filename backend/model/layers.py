@@ -74,6 +74,15 @@ class RowParallelLinear(DirectModule):
         y = self.ctx.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
+    def finish(self, out: torch.Tensor, arrived: bool, seconds: float,
+               collective: tuple | None) -> torch.Tensor:
+        """The output from a fused decode kernel's (out, arrived, seconds) for `collective`
+        (ParallelContext.fused_collective; None: out is the unreduced partial)."""
+        if collective is None:
+            return self.reduce(out)
+        y = self.ctx.finish_fused(out, arrived, seconds, collective)
+        return y if self.bias is None else y + self.bias
+
 
 class VocabParallelEmbedding(DirectModule):
     """Each rank holds a contiguous slice of the vocabulary's rows."""

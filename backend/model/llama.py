@@ -69,14 +69,18 @@ class DecoderLayer(DirectModule):
         """forward() for a decode-only step with ops.FUSED_DECODE and this layer bound
         (bind_decode): each half of the layer is one kernel call, the collectives stay between
         them. Same arithmetic, same bits."""
-        ops = self.ops
+        ops, o_proj, down_proj = self.ops, self.self_attn.o_proj, self.mlp.down_proj
         add = residual is not None
         if not add:
             residual, x = x, self.input_layernorm(x)
-        y, residual = ops.decode_attention_half(bound, x, residual, add, meta.cos, meta.sin,
-                                                meta.slot_mapping, meta.decode)
-        y, residual = ops.decode_mlp_half(bound, self.self_attn.o_proj.reduce(y), residual)
-        return self.mlp.down_proj.reduce(y), residual
+        # with shared memory, each half ends with its all-reduce (no return to Python between)
+        coll = o_proj.ctx.fused_collective(x.numel(), x.dtype)
+        y, residual, arrived, s = ops.decode_attention_half(
+            bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode, coll)
+        x = o_proj.finish(y, arrived, s, coll)
+        coll = down_proj.ctx.fused_collective(x.numel(), x.dtype)
+        y, residual, arrived, s = ops.decode_mlp_half(bound, x, residual, coll)
+        return down_proj.finish(y, arrived, s, coll), residual
 
     def bind_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         """This layer's weights and KV cache bound for the fused decode kernels."""

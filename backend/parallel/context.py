@@ -14,6 +14,16 @@ import torch
 
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
+        """Arguments for a C++ kernel that does the next all-reduce itself (shared memory), or
+        None: then the caller all-reduces its partial with all_reduce()."""
+        fused = getattr(self.comm, "fused_collective", None) if self.world_size > 1 else None
+        return None if fused is None else fused(numel, dtype)
+
+    def finish_fused(self, out: torch.Tensor, arrived: bool, seconds: float,
+                     collective: tuple) -> torch.Tensor:
+        return self.comm.finish_fused(out, arrived, seconds, collective)
+
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
 
 
@@ -27,6 +37,16 @@ class ParallelContext:
         if self.world_size == 1:
             return x
         return self.comm.all_reduce(x)
+
+    def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
+        """Arguments for a C++ kernel that does the next all-reduce itself (shared memory), or
+        None: then the caller all-reduces its partial with all_reduce()."""
+        fused = getattr(self.comm, "fused_collective", None) if self.world_size > 1 else None
+        return None if fused is None else fused(numel, dtype)
+
+    def finish_fused(self, out: torch.Tensor, arrived: bool, seconds: float,
+                     collective: tuple) -> torch.Tensor:
+        return self.comm.finish_fused(out, arrived, seconds, collective)
 
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate every rank's [rows, sizes[rank]] along the last dim, on rank 0 only

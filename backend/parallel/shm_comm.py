@@ -103,6 +103,29 @@ class ShmCommunicator:
         self.calls += 1
         return out
 
+    def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
+        """The next all-reduce's (slots, flags, rank, seq, spins) for a C++ kernel that posts its
+        partial sum and sums every rank's itself (kernels/csrc/decode_layer.cpp: no return to
+        Python in between), or None if it cannot (no native kernels, too large, other dtype).
+        The caller must run that kernel next and pass its result to finish_fused."""
+        if self._native is None or numel > self.slot_elems or dtype != self.dtype:
+            return None
+        self._seq += 1
+        return self._buffers[self._seq & 1], self._flags_t, self.rank, self._seq, self._native_spins
+
+    def finish_fused(self, out: torch.Tensor, arrived: bool, seconds: float,
+                     collective: tuple) -> torch.Tensor:
+        """out is the sum if every rank arrived in the kernel's spins; else this rank's posted
+        partial: wait the slow way (yielding, checking the peers live), then sum."""
+        if not arrived:
+            t0 = time.perf_counter()
+            self._wait_all(collective[3])
+            out = self._native.shm_sum(out, collective[0])
+            seconds += time.perf_counter() - t0
+        self.seconds += seconds
+        self.calls += 1
+        return out
+
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate each rank's x ([rows, sizes[rank]]) along the last dim, on rank 0 only."""
         t0 = time.perf_counter()

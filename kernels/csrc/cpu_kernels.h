@@ -13,4 +13,7 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias);
+c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
+                                            torch::Tensor flags, int64_t rank, int64_t seq,
+                                            int64_t max_spins);
 void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack

@@ -9,6 +9,9 @@
 
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <tuple>
+
 // [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
 // projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
 // without o's bias). Returns {partial o output, residual}.
@@ -74,6 +77,21 @@ std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, 
   return {x, residual};
 }
 
+// The next shared-memory all-reduce: this collective's buffer, the flags, and what
+// shm_all_reduce needs besides the tensor.
+using ShmCollective = std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t>;
+
+std::tuple<torch::Tensor, torch::Tensor, bool, double> collect(
+    const std::vector<torch::Tensor>& half, const c10::optional<ShmCollective>& coll) {
+  if (!coll.has_value()) return {half[0], half[1], true, 0.0};
+  const auto& [slots, flags, rank, seq, spins] = *coll;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto sum = shm_all_reduce(half[0], slots, flags, rank, seq, spins);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!sum.has_value()) return {half[0], half[1], false, dt};
+  return {*sum, half[1], true, dt};
+}
+
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecodeLayer>(m, "DecodeLayer")
@@ -88,17 +106,26 @@ void bind_decode_layer(pybind11::module& m) {
                            kv_index, qkv_b, o_b, gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
       }));
   m.def("decode_stack", &decode_stack);
-  // the halves for several ranks, collectives in between (o's and down's biases: after them)
+  // The halves for several ranks, collectives in between (o's and down's biases: after them).
+  // Given a shared-memory collective (slots, flags, rank, seq, spins), a half also posts its
+  // partial sum and sums every rank's (shm_all_reduce) before returning to Python; the result
+  // is {out, residual, arrived, seconds}: out is the sum if every rank arrived within the spins,
+  // else this rank's posted partial (the caller then waits its slow, liveness-checking way and
+  // sums); seconds is the time spent in the collective.
   m.def("decode_attention_half",
         [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
            torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-           torch::Tensor block_tables, torch::Tensor context_lens) {
-          return decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w,
-                                       l.qkv_b, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
-                                       slot_mapping, block_tables, context_lens, l.scale,
-                                       l.kv_index, l.o_w);
+           torch::Tensor block_tables, torch::Tensor context_lens,
+           c10::optional<ShmCollective> coll) {
+          auto r = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w,
+                                         l.qkv_b, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
+                                         slot_mapping, block_tables, context_lens, l.scale,
+                                         l.kv_index, l.o_w);
+          return collect(r, coll);
         });
-  m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual) {
-    return decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+  m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual,
+                              c10::optional<ShmCollective> coll) {
+    auto r = decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+    return collect(r, coll);
   });
 }
