@@ -140,7 +140,6 @@ class LlamaForCausalLM(DirectModule):
         x, _ = self.norm(x, residual)
         return self.lm_head(x)
 
-
     def _bound_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
         key = kv_caches[0][0].data_ptr()
         if self._bound is None or self._bound[0] != key:

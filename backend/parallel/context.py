@@ -1,8 +1,9 @@
 """This rank's place in its tensor-parallel group and the collectives the model calls.
 
-The model only ever calls ``all_reduce`` (after attention and after the MLP, and once for the
+The model calls ``all_reduce`` (after attention and after the MLP, and once for the
 vocab-parallel embedding) and ``gather_first`` (vocab-sharded logits to rank 0); with one rank
-both are free.
+both are free. Fused CPU decode kernels instead do a layer's all-reduce inside the kernel when
+the communicator offers it (``fused_collective`` / ``finish_fused``).
 """
 from __future__ import annotations
 
@@ -14,17 +15,8 @@ import torch
 
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-    def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
-        """Arguments for a C++ kernel that does the next all-reduce itself (shared memory), or
-        None: then the caller all-reduces its partial with all_reduce()."""
-        fused = getattr(self.comm, "fused_collective", None) if self.world_size > 1 else None
-        return None if fused is None else fused(numel, dtype)
-
-    def finish_fused(self, out: torch.Tensor, arrived: bool, seconds: float,
-                     collective: tuple) -> torch.Tensor:
-        return self.comm.finish_fused(out, arrived, seconds, collective)
-
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
+    # optional (the shared-memory communicator): fused_collective, finish_fused
 
 
 @dataclass
