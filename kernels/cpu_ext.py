@@ -16,7 +16,7 @@ from pathlib import Path
 
 log = logging.getLogger("kernels")
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "decode_layer.cpp")]
+_SOURCES = sorted(_CSRC.glob("*.cpp"))  # one module; headers (*.h) are included by them
 # fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
 # where the arithmetic is the same
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -33,7 +33,7 @@ def _cache_dir() -> Path:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
+    sources = b"".join(p.read_bytes() for p in _SOURCES + sorted(_CSRC.glob("*.h")))
     key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + sys.version.encode()
                          + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits

@@ -71,16 +71,14 @@ class RowParallelLinear(DirectModule):
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output: all-reduce, then the bias."""
-        y = self.ctx.all_reduce(partial)
-        return y if self.bias is None else y + self.bias
+        return self.finish(partial, False, 0.0, None)
 
     def finish(self, out: torch.Tensor, arrived: bool, seconds: float,
                collective: tuple | None) -> torch.Tensor:
         """The output from a fused decode kernel's (out, arrived, seconds) for `collective`
         (ParallelContext.fused_collective; None: out is the unreduced partial)."""
-        if collective is None:
-            return self.reduce(out)
-        y = self.ctx.finish_fused(out, arrived, seconds, collective)
+        y = (self.ctx.all_reduce(out) if collective is None
+             else self.ctx.finish_fused(out, arrived, seconds, collective))
         return y if self.bias is None else y + self.bias
 
 

@@ -35,6 +35,12 @@ def _native_kernels():
     return load()
 
 
+def ranks_outnumber_cores(world: int) -> bool:
+    """More ranks than cores: a rank that spins (for a collective, for the next step) would hold
+    the core a peer needs, so it must yield at once instead."""
+    return world > (os.cpu_count() or 1)
+
+
 class PeerLostError(RuntimeError):
     """A peer rank died or stopped answering in the middle of a collective."""
 
@@ -71,8 +77,7 @@ class ShmCommunicator:
         self._fallback = fallback
         self._peers_alive = peers_alive
         self._timeout_s = timeout_s
-        # More ranks than cores: a spinning rank would hold the core its peer needs; yield at once.
-        oversubscribed = world > (os.cpu_count() or 1)
+        oversubscribed = ranks_outnumber_cores(world)
         self._spins = 0 if oversubscribed else _SPINS_BEFORE_YIELD
         self._native_spins = 0 if oversubscribed else _NATIVE_SPINS
         self.seconds = 0.0  # time spent inside collectives (waiting included)

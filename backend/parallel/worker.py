@@ -20,7 +20,7 @@ from backend.model.loader import load_model
 from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.group import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
-from backend.parallel.shm_comm import PeerLostError
+from backend.parallel.shm_comm import PeerLostError, ranks_outnumber_cores
 
 log = logging.getLogger("backend.parallel")
 NEXT_STEP_SPIN_S = 0.005  # covers rank 0's between-step work (sampling, scheduling)
@@ -69,7 +69,7 @@ def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    spin_s = 0.0 if spec.world > (os.cpu_count() or 1) else NEXT_STEP_SPIN_S
+    spin_s = 0.0 if ranks_outnumber_cores(spec.world) else NEXT_STEP_SPIN_S
     while True:
         try:
             payload = _next_message(conn, spin_s)

@@ -197,11 +197,10 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
           G = std::min<int64_t>(left, 4);
 #if defined(__AVX512F__)
           avx512::block_group_d64(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den);
-          g += G;
-          continue;
-#endif
+#else
           block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
                                   sc.data(), BS);
+#endif
         } else if (D == 128) {
           G = std::min<int64_t>(left, 2);
           block_group_fast<128, 2>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
