@@ -62,11 +62,37 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Decode steps: the C++ kernel reads each weight once at ~26 GB/s where MKL reached ~22
     # (2 threads; SmolLM2's 121 GEMVs 19.5 vs 22.6 ms; 1 thread 37.9 vs 40.7; M = 4..32 rows
-    # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster.
+    # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still.
     if (x.dim() == 2 and x.shape[0] <= SMALL_M and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()):
         return _ext.small_m_linear(x, weight, bias)
+    packed = getattr(weight, "mkl_packed", None)
+    if packed is not None and x.dim() == 2 and x.shape[0] == packed[0] and x.dtype == torch.float32:
+        return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
     return F.linear(x, weight, bias)
+
+
+def _mkl_packing() -> bool:
+    try:
+        return torch.backends.mkl.is_available() and bool(torch.ops.mkl._mkl_reorder_linear_weight)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
+    """Keeps beside a float32 weight MKL's packed-GEMM copy for inputs of exactly `rows` rows
+    (the engine's full decode batch); `linear` then uses it at that row count. Returns the copy's
+    bytes (0: nothing packed: too few rows for the GEMM path, another dtype, no MKL).
+
+    Why: a full decode batch (64 rows) reads every weight from memory each step, and MKL's GEMM
+    packs each weight again per call: SmolLM2's 121 linears + lm_head at 64 rows took 87 ms
+    (~197 GF/s, 2 threads); from the packed copies 64 ms (~271 GF/s). MKL only takes the packed
+    copy at the row count it was packed for, so it costs a second copy of the weights."""
+    if rows <= SMALL_M or weight.dtype != torch.float32 or weight.dim() != 2 or not _mkl_packing():
+        return 0
+    if getattr(weight, "mkl_packed", (None,))[0] != rows:
+        weight.mkl_packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+    return weight.numel() * weight.element_size()
 
 
 # A decode-only float32 step may run each decoder layer as two C++ calls instead of ~10 Python-level
@@ -96,6 +122,19 @@ def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_resi
     x, residual = _ext.decode_stack(layers, x, residual, add_residual, cos, sin, slot_mapping,
                                     batch.block_tables, batch.context_lens)
     return x, residual
+
+
+def decode_stack_tp(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
+                    cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                    batch: DecodeBatch, start: int, collectives: tuple
+                    ) -> tuple[torch.Tensor, torch.Tensor, int, bool, float]:
+    """decode_stack for one tensor-parallel rank: layer halves [start, 2 * layers), each ending
+    in its shared-memory all-reduce; collectives = (buffers, flags, rank, first seq, spins) from
+    ParallelContext.fused_stack. Returns (x, residual, halves run, arrived, seconds)."""
+    buffers, flags, rank, seq, spins = collectives
+    return _ext.decode_stack_tp(layers, x, residual, add_residual, cos, sin, slot_mapping,
+                                batch.block_tables, batch.context_lens, start, list(buffers),
+                                flags, rank, seq, spins)
 
 
 def decode_attention_half(layer, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,

@@ -141,3 +141,25 @@ def test_rotary_write_kv(tokens, hq, hkv, dtype):
     for w, o in zip(want, got):
         assert torch.equal(w, o)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.skipif(not cpu_ops._mkl_packing(), reason="torch without MKL's packed GEMM")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_at_its_row_count_only(bias):
+    """A packed weight serves exactly the row count it was packed for (equal to torch's GEMM up
+    to summation order); every other row count takes the unpacked paths, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    rows = cpu_ops.SMALL_M + 8
+    w = torch.randn(300, 576, generator=g)
+    b = torch.randn(300, generator=g) if bias else None
+    before = {m: cpu_ops.linear(torch.randn(m, 576, generator=torch.Generator().manual_seed(m)), w, b)
+              for m in (1, cpu_ops.SMALL_M, rows - 8, rows + 8)}
+    assert cpu_ops.pack_linear_weight(w, rows) == w.numel() * 4
+    assert cpu_ops.pack_linear_weight(w.bfloat16(), rows) == 0
+    assert cpu_ops.pack_linear_weight(torch.randn(4, 4), cpu_ops.SMALL_M) == 0  # the C++ GEMV's
+    x = torch.randn(rows, 576, generator=g)
+    torch.testing.assert_close(cpu_ops.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5,
+                               atol=1e-5 * 576 ** 0.5)
+    for m, want in before.items():
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(cpu_ops.linear(x, w, b), want)

@@ -173,3 +173,28 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     modular, used = run(False, False)
     assert not used
     assert stack == halves == modular
+
+
+def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch):
+    """On CPU the linears keep MKL-packed weights for the largest decode bucket; a batch that
+    fills it runs from them and generates what the engine without them does."""
+    from kernels import cpu_ops
+    if not cpu_ops._mkl_packing():
+        pytest.skip("torch without MKL's packed GEMM")
+    rows = cpu_ops.SMALL_M + 8
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8, max_num_seqs=rows)
+    prompts = [f"Item {i}: the {'quick ' * (i % 5)}brown fox" for i in range(rows)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with LLM(cpu_packed_gemm=False, **kw) as plain:
+        assert plain.engine.runner.packed_weight_bytes == 0
+        want = plain.generate(prompts, sp)
+    with LLM(**kw) as packed:
+        assert packed.engine.runner.packed_weight_bytes > 0
+        linear, hits = cpu_ops.linear, []
+        monkeypatch.setattr(cpu_ops, "linear", lambda x, w, b=None: hits.append(
+            x.shape[0] == getattr(w, "mkl_packed", (0,))[0]) or linear(x, w, b))
+        got = packed.generate(prompts, sp)
+    assert any(hits)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)

@@ -74,10 +74,13 @@ def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
     assert _pids_alive(pids) == []
 
 
-def test_fused_decode_collectives_late_peer_path(default_model_dir, tp1_reference, monkeypatch):
-    """Decode steps do each all-reduce inside the C++ layer halves. When a peer has not arrived
-    within the kernel's spins (forced here: no spins at all on rank 0), the kernel returns the
-    posted partial and Python waits and sums: still the TP1 tokens."""
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_decode_collectives_late_peer_path(stack, default_model_dir, tp1_reference,
+                                                 monkeypatch):
+    """Decode steps do each all-reduce inside C++: every layer in one call (stack), or per layer
+    half. When a peer has not arrived within the kernel's spins (forced here: no spins at all on
+    rank 0), the kernel returns the posted partial, Python waits and sums (and the stack resumes
+    at the next half): still the TP1 tokens."""
     tokens, _, _ = tp1_reference
     llm = LLM(model=str(default_model_dir), tensor_parallel_size=2, **SMALL_ENGINE)
     try:
@@ -86,9 +89,15 @@ def test_fused_decode_collectives_late_peer_path(default_model_dir, tp1_referenc
             pytest.skip("C++ CPU kernels not built here")
         comm._native_spins = 0
         late = []
-        finish = comm.finish_fused
-        monkeypatch.setattr(comm, "finish_fused", lambda out, arrived, *a: late.append(
-            not arrived) or finish(out, arrived, *a))
+        if stack:
+            done = comm.stack_done
+            monkeypatch.setattr(comm, "stack_done", lambda out, count, arrived, *a: late.append(
+                not arrived) or done(out, count, arrived, *a))
+        else:
+            monkeypatch.setattr(comm, "fused_stack", lambda *a: None)
+            finish = comm.finish_fused
+            monkeypatch.setattr(comm, "finish_fused", lambda out, arrived, *a: late.append(
+                not arrived) or finish(out, arrived, *a))
         outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
         assert [o.token_ids for o in outs] == tokens
         assert any(late) and not all(late)  # both paths ran
@@ -109,6 +118,22 @@ def test_tiny_qwen2_qkv_bias_tp(tmp_path):
             assert [o.token_ids for o in llm.generate(prompts, sp)] == want
             got = _prompt_logits(llm, prompts[0])
             assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() <= 1e-5
+
+
+def test_biased_layers_tp_late_peers(tmp_path):
+    """Row-parallel biases (o, down) are added once, after the sum, on every decode path of a TP
+    rank: inside the fused stack, and by Python after a collective a peer was late for (forced:
+    no spins on rank 0)."""
+    make_tiny_checkpoint("llama", tmp_path, bias=True)
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(model=str(tmp_path), num_kv_blocks=64, block_size=8) as ref:
+        want = [o.token_ids for o in ref.generate(prompts, sp)]
+    with LLM(model=str(tmp_path), tensor_parallel_size=2, num_kv_blocks=64, block_size=8) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.o_proj.bias is not None
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+        llm.engine.group.comm._native_spins = 0
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
 
 
 def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):

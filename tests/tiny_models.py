@@ -10,9 +10,11 @@ ARCHS = ("llama", "qwen2", "mistral")
 
 def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
                          num_heads: int = 6, num_kv_heads: int = 2, layers: int = 2,
-                         shards: int = 1, tokenizer_dir: Path | None = None) -> Path:
+                         shards: int = 1, tokenizer_dir: Path | None = None,
+                         bias: bool = False) -> Path:
     """A random checkpoint; with `tokenizer_dir`, its tokenizer files are copied in and the
-    vocabulary sized to match, so the engine can take text."""
+    vocabulary sized to match, so the engine can take text. `bias` (Llama): attention_bias and
+    mlp_bias, so q/k/v/o and gate/up/down all carry biases."""
     import shutil
 
     import transformers as tf
@@ -25,7 +27,7 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
                   num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
-        cfg = tf.LlamaConfig(**common, rope_theta=50000.0)
+        cfg = tf.LlamaConfig(**common, rope_theta=50000.0, attention_bias=bias, mlp_bias=bias)
         cls = tf.LlamaForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common)

@@ -24,6 +24,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context (and sliding window)
+    # CPU float32: a second, MKL-packed copy of every linear weight for the full decode batch
+    # (max_num_seqs rows), whose GEMMs then run ~27% faster; costs the weights' memory once more
+    cpu_packed_gemm: bool = True
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
     device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)

@@ -104,7 +104,7 @@ class LLMEngine:
                 ctx = self._launch_group(cfg, num_blocks, threads)
             model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
-                                      dtype, self.device)
+                                      dtype, self.device, self.packed_rows)
             if self.uses_cuda_graphs:  # captured per bucket by warmup, before ready
                 self.runner.enable_decode_graphs(self.plan.decode_sizes, True, self._captured)
             if self.group is not None:
@@ -123,10 +123,12 @@ class LLMEngine:
         self.stats = EngineStats()
         self.warm_shapes: set[tuple[str, int]] = set()
         log.info("engine loaded in %.1fs: %s, %s on %s, TP %d, %d KV blocks x %d tokens (%.2f GiB "
-                 "per rank), max_model_len %d, %d threads per rank", time.perf_counter() - t0,
+                 "per rank), max_model_len %d, %d threads per rank, %.2f GiB of packed weights "
+                 "for %d-row batches", time.perf_counter() - t0,
                  self.model_dir.name, config.dtype, self.device, tp, num_blocks,
                  config.block_size, self.runner.kv_cache_bytes / 2**30, self.max_model_len,
-                 torch.get_num_threads())
+                 torch.get_num_threads(), self.runner.packed_weight_bytes / 2**30,
+                 self.packed_rows)
         if not defer_warmup:
             self.warm_up()
 
@@ -150,6 +152,12 @@ class LLMEngine:
     def uses_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and self.config.cuda_graphs
 
+    @property
+    def packed_rows(self) -> int:
+        """The batch the CPU linears keep packed weights for: the largest decode bucket."""
+        on = self.device.type == "cpu" and self.config.cpu_packed_gemm
+        return self.plan.decode_sizes[-1] if on else 0
+
     def _captured(self, bucket: int) -> None:
         """A decode bucket's CUDA graph was captured: free before ready, a cold path after."""
         self.cold_path.record("cuda_graph_capture", f"decode bucket {bucket}")
@@ -170,6 +178,7 @@ class LLMEngine:
             block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
             cpu=0 if c.pin_cpus else None, device=str(self.device),
             cuda_graphs=self.uses_cuda_graphs, decode_sizes=self.plan.decode_sizes,
+            packed_rows=self.packed_rows,
             master_addr=addr, master_port=port, gloo_host=addr,
             collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0),
             c.torch_dtype, local_ranks=c.tp_local_ranks)

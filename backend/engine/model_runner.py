@@ -18,7 +18,8 @@ from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 max_model_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 packed_rows: int = 0):
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -39,6 +40,9 @@ class ModelRunner:
                                torch.zeros(shape, dtype=dtype, device=self.device))
                               for _ in range(cfg.num_layers)]
         self.inputs = DeviceInputs(self.device)
+        # CPU: the full decode batch's GEMMs from packed weight copies (kernels/cpu_ops.py)
+        self.packed_weight_bytes = (model.pack_linear_weights(packed_rows)
+                                    if self.device.type == "cpu" else 0)
         self.decode_graphs: DecodeGraphs | None = None
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
 

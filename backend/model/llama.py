@@ -130,6 +130,8 @@ class LlamaForCausalLM(DirectModule):
             residual, x = x, self.layers[0].input_layernorm(x)
             x, residual = self.ops.decode_stack(self._bound_layers(kv_caches), x, residual, False,
                                                 meta.cos, meta.sin, meta.slot_mapping, meta.decode)
+        elif (stacked := self._tp_decode_stack(x, meta, self._bound_layers(kv_caches))) is not None:
+            x, residual = stacked
         else:
             for layer, bound in zip(self.layers, self._bound_layers(kv_caches)):
                 x, residual = layer.forward_decode(x, residual, meta, bound)
@@ -139,6 +141,40 @@ class LlamaForCausalLM(DirectModule):
         x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.norm(x, residual)
         return self.lm_head(x)
+
+    def _tp_decode_stack(self, x: torch.Tensor, meta: AttentionMetadata,
+                         bound: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A tensor-parallel rank's decode step through every layer in C++ with the all-reduces
+        inside (ops.decode_stack_tp), resumed after any all-reduce a peer was late for; None when
+        the communicator cannot (not shared memory, batch over the slot)."""
+        ctx = self.layers[0].mlp.down_proj.ctx
+        stack = getattr(self.ops, "decode_stack_tp", None)
+        coll = ctx.fused_stack(x.numel(), x.dtype) if stack is not None else None
+        if coll is None:
+            return None
+        residual, x = x, self.layers[0].input_layernorm(x)
+        start, add = 0, False
+        while start < 2 * len(bound):
+            x, residual, ran, arrived, seconds = stack(
+                bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode,
+                start, coll)
+            x = ctx.stack_done(x, ran, arrived, seconds)
+            start, add = start + ran, True
+            if not arrived:  # the late half's bias, after its sum (as RowParallelLinear.finish)
+                layer = self.layers[(start - 1) // 2]
+                bias = (layer.self_attn.o_proj if start % 2 else layer.mlp.down_proj).bias
+                x = x if bias is None else x + bias
+                coll = ctx.fused_stack(x.numel(), x.dtype)
+        return x, residual
+
+    def pack_linear_weights(self, rows: int) -> int:
+        """A packed copy of every linear's weight (lm_head included) for inputs of exactly `rows`
+        rows, where the kernels keep one (ops.pack_linear_weight); returns the copies' bytes."""
+        pack = getattr(self.ops, "pack_linear_weight", None)
+        if pack is None or rows < 1:
+            return 0
+        kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+        return sum(pack(m.weight, rows) for m in self.modules() if isinstance(m, kinds))
 
     def _bound_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
         key = kv_caches[0][0].data_ptr()

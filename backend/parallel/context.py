@@ -3,7 +3,8 @@
 The model calls ``all_reduce`` (after attention and after the MLP, and once for the
 vocab-parallel embedding) and ``gather_first`` (vocab-sharded logits to rank 0); with one rank
 both are free. Fused CPU decode kernels instead do a layer's all-reduce inside the kernel when
-the communicator offers it (``fused_collective`` / ``finish_fused``).
+the communicator offers it (``fused_collective`` / ``finish_fused``), or every layer's in one
+kernel call (``fused_stack`` / ``stack_done``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
-    # optional (the shared-memory communicator): fused_collective, finish_fused
+    # optional (the shared-memory communicator): fused_collective, finish_fused, fused_stack,
+    # stack_done
 
 
 @dataclass
@@ -39,6 +41,16 @@ class ParallelContext:
     def finish_fused(self, out: torch.Tensor, arrived: bool, seconds: float,
                      collective: tuple) -> torch.Tensor:
         return self.comm.finish_fused(out, arrived, seconds, collective)
+
+    def fused_stack(self, numel: int, dtype: torch.dtype) -> tuple | None:
+        """Arguments for a C++ kernel that runs every layer with the all-reduces inside, or None
+        (no shared memory, too large): then per layer, fused_collective or all_reduce."""
+        fused = getattr(self.comm, "fused_stack", None) if self.world_size > 1 else None
+        return None if fused is None else fused(numel, dtype)
+
+    def stack_done(self, out: torch.Tensor, count: int, arrived: bool,
+                   seconds: float) -> torch.Tensor:
+        return self.comm.stack_done(out, count, arrived, seconds)
 
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate every rank's [rows, sizes[rank]] along the last dim, on rank 0 only

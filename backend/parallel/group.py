@@ -63,6 +63,7 @@ class WorkerSpec:
     device: str = "cpu"
     cuda_graphs: bool = False
     decode_sizes: tuple[int, ...] = ()
+    packed_rows: int = 0  # CPU: linears keep a packed weight copy for batches of this many rows
     # multi-host: rank 0's TCP store instead of the file store, gloo for every collective
     master_addr: str = ""
     master_port: int = 0

@@ -131,6 +131,28 @@ class ShmCommunicator:
         self.calls += 1
         return out
 
+    def fused_stack(self, numel: int, dtype: torch.dtype) -> tuple | None:
+        """(both buffers, flags, rank, next seq, spins) for a C++ kernel that runs several
+        all-reduces in a row (its k-th: seq + k in buffer (seq + k) % 2) and reports back with
+        stack_done; None if it cannot (as fused_collective)."""
+        if self._native is None or numel > self.slot_elems or dtype != self.dtype:
+            return None
+        return self._buffers, self._flags_t, self.rank, self._seq + 1, self._native_spins
+
+    def stack_done(self, out: torch.Tensor, count: int, arrived: bool,
+                   seconds: float) -> torch.Tensor:
+        """A fused_stack kernel ran `count` all-reduces. If the peers were late for the last one
+        (not arrived), out is this rank's posted partial: wait the slow way, then sum."""
+        self._seq += count
+        self.calls += count
+        if not arrived:
+            t0 = time.perf_counter()
+            self._wait_all(self._seq)
+            out = self._native.shm_sum(out, self._buffers[self._seq & 1])
+            seconds += time.perf_counter() - t0
+        self.seconds += seconds
+        return out
+
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate each rank's x ([rows, sizes[rank]]) along the last dim, on rank 0 only."""
         t0 = time.perf_counter()

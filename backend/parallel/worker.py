@@ -43,7 +43,7 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, ctx, dtype, device)
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype,
-                         device)
+                         device, spec.packed_rows)
     if spec.cuda_graphs:  # captured at the same warmup steps as rank 0's
         runner.enable_decode_graphs(spec.decode_sizes, use_graphs=True)
     runner.keepalive = (store, comm)  # the store client must live as long as the group

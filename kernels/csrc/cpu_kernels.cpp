@@ -158,6 +158,15 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
                    int64_t D, int64_t block_stride, const int64_t* heads_by_kv,
                    const int64_t* group_start, float scale, float* acc, float* mx, float* den,
                    std::vector<float>& sc, std::vector<float>& kb, std::vector<float>& vb) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (D == 64) {
+      avx512::attend_blocks_d64(qf, kp, vp, table, L, blk_begin, blk_end, BS, Hkv, Hq,
+                                block_stride, heads_by_kv, group_start, scale, acc, mx, den, sc);
+      return;
+    }
+  }
+#endif
   const int64_t row = Hkv * D;
   std::fill(acc, acc + Hq * D, 0.f);
   std::fill(mx, mx + Hq, -INFINITY);
