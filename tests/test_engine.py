@@ -198,3 +198,11 @@ def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+
+
+def test_weights_not_packed_when_memory_is_short(tiny_text_model, monkeypatch):
+    from backend.model import host_memory
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1 << 20)  # 1 MiB left
+    with LLM(model=str(tiny_text_model), num_kv_blocks=64, block_size=8, max_num_seqs=40) as llm:
+        assert llm.engine.runner.packed_weight_bytes == 0
+        assert llm.generate("Hello", SamplingParams(max_tokens=2)).pop().token_ids

@@ -68,3 +68,11 @@ def test_loaded_weights_sit_on_huge_pages(tmp_path):
     entry = dict(next(iter(maps)))
     assert "hg" in entry.get("VmFlags", "").split()  # madvise(MADV_HUGEPAGE) took
     assert int(entry["AnonHugePages"].split()[0]) > 0
+
+
+def test_available_bytes_reads_meminfo():
+    avail = host_memory.available_bytes()
+    if not Path("/proc/meminfo").exists():
+        assert avail is None
+    else:
+        assert 0 < avail < 1 << 50

@@ -2,6 +2,7 @@
 rank's device, and (on CUDA) the decode step's CUDA graphs."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -14,6 +15,8 @@ from backend.model import host_memory
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
 from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+
+log = logging.getLogger("backend.engine")
 
 
 class ModelRunner:
@@ -40,11 +43,22 @@ class ModelRunner:
                                torch.zeros(shape, dtype=dtype, device=self.device))
                               for _ in range(cfg.num_layers)]
         self.inputs = DeviceInputs(self.device)
-        # CPU: the full decode batch's GEMMs from packed weight copies (kernels/cpu_ops.py)
-        self.packed_weight_bytes = (model.pack_linear_weights(packed_rows)
-                                    if self.device.type == "cpu" else 0)
+        self.packed_weight_bytes = self._pack_weights(packed_rows)
         self.decode_graphs: DecodeGraphs | None = None
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
+
+    def _pack_weights(self, rows: int) -> int:
+        """CPU: the full decode batch's GEMMs from packed weight copies (kernels/cpu_ops.py),
+        unless the copies would take over half the memory still available."""
+        if self.device.type != "cpu" or rows < 1:
+            return 0
+        need = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        available = host_memory.available_bytes()
+        if available is not None and need > available // 2:
+            log.warning("not packing weights for %d-row batches: they would take %.2f of the "
+                        "%.2f GiB available", rows, need / 2**30, available / 2**30)
+            return 0
+        return self.model.pack_linear_weights(rows)
 
     @property
     def kv_cache_bytes(self) -> int:

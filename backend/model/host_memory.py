@@ -32,6 +32,18 @@ def _madvise_huge(buf: mmap.mmap, start: int, length: int) -> bool:
         return False
 
 
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class HostArena:
     """One anonymous mapping, 2 MiB-aligned and advised for huge pages, carved into tensors.
     The tensors keep the mapping alive (torch.frombuffer holds a reference to it)."""
