@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.metadata import DecodeBatch
+from kernels.metadata import DecodeBatch, PrefillChunk
 
 cpu_ops = pytest.importorskip("kernels.cpu_ops")
 pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="C++ CPU kernels not built here")
@@ -163,3 +163,26 @@ def test_packed_linear_at_its_row_count_only(bias):
     for m, want in before.items():
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         assert torch.equal(cpu_ops.linear(x, w, b), want)
+
+
+@pytest.mark.skipif(not cpu_ops._fast_prefill(64), reason="no AVX-512 prefill attention here")
+@pytest.mark.parametrize("tokens, prefix", [(1, 0), (7, 0), (37, 0), (300, 0), (13, 50), (64, 200)])
+@pytest.mark.parametrize("hq, hkv, kv_index", [(9, 3, None), (4, 4, None), (5, 2, [0, 0, 0, 1, 1])])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_paged_prefill_attention(tokens, prefix, hq, hkv, kv_index, block_size):
+    """The C++ prefill attention equals torch's SDPA: causal over the chunk, the whole cached
+    prefix visible, scattered blocks, any GQA map (uneven TP splits), block sizes not a multiple
+    of the tiles, q a strided view of the fused qkv rows."""
+    g = torch.Generator().manual_seed(tokens * 31 + prefix + hq)
+    ctx, d = prefix + tokens, 64
+    nblk = -(-ctx // block_size)
+    table = torch.randperm(nblk + 4, generator=g)[:nblk] + 1
+    kc, vc = (torch.randn(nblk + 6, block_size, hkv, d, generator=g) for _ in range(2))
+    q = torch.randn(tokens, hq + 2 * hkv, d, generator=g)[:, :hq]
+    k = kc[table].reshape(-1, hkv, d)[prefix:ctx]
+    v = vc[table].reshape(-1, hkv, d)[prefix:ctx]
+    chunk = PrefillChunk(0, tokens, ctx, table)
+    kvi = None if kv_index is None else torch.tensor(kv_index)
+    got = cpu_ops.prefill_attention(q, k, v, kc, vc, chunk, 0.125, kvi)
+    torch.testing.assert_close(got, ref.prefill_attention(q, k, v, kc, vc, chunk, 0.125, kvi),
+                               rtol=1e-5, atol=1e-5)

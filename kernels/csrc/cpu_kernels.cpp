@@ -543,6 +543,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_layer(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("prefill_attention_supported", &prefill_attention_supported);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_mul", &silu_mul);
   m.def("shm_all_reduce", &shm_all_reduce);

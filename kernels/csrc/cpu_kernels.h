@@ -1,5 +1,6 @@
 // The tensor-level CPU kernels the Python module exposes, for other translation units that
-// compose them (decode_layer.cpp). Definitions: cpu_kernels.cpp, cpu_gemv.cpp.
+// compose them (decode_layer.cpp). Definitions: cpu_kernels.cpp, cpu_gemv.cpp,
+// prefill_attention.cpp.
 #pragma once
 #include <torch/extension.h>
 
@@ -16,4 +17,8 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
 c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
                                             torch::Tensor flags, int64_t rank, int64_t seq,
                                             int64_t max_spins);
+bool prefill_attention_supported(int64_t head_dim);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_table,
+                                      int64_t context_len, double scale, torch::Tensor kv_index);
 void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack

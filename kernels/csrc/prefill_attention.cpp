@@ -1,0 +1,222 @@
+// Causal attention of one prompt chunk over its sequence's paged KV cache (float32, AVX-512,
+// head_dim 64): the prefill counterpart of paged_decode_attention.
+//
+// Why: torch's CPU flash SDPA ran SmolLM2's prefill attention at ~95-170 GFLOP/s (causal FLOPs;
+// ~27% of a 1024-token time to first token) and needs a cached prefix gathered into a copy.
+// Here both products are tiled like a GEMM. Scores: 6 rows x 32 keys in registers, the keys
+// transposed once per KV head so a key chunk is two vector loads per dim and each query value a
+// broadcast. Then one exact softmax per row over all its keys (no online rescaling). Then P.V:
+// 6 rows x 64 columns in registers, per chunk of 32 V rows that stays in L1 for all the task's
+// rows. 2 threads, 9 q / 3 kv heads: 256 tokens 0.42 vs SDPA's 0.80 ms, 1024: 5.8 vs 8.8 ms,
+// 2048: 24.8 vs 29.0 ms. (head_dim 128 was slower than SDPA with this tiling: not used.)
+//
+// Work: a task is (KV head, 8 consecutive query positions) for every query head that reads that
+// KV head (rows = heads x positions); tasks alternate early/late so both threads get an even
+// share of the causal triangle.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "attn_avx512.h"
+
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int kRows = 6;   // rows (query head x position) per register tile
+constexpr int kKeys = 32;  // keys per score tile (two vectors) and per V chunk
+constexpr int kPos = 8;    // query positions per task
+
+// s[r][k0, k0 + 32) = scale * q[r] . kt[:, k0 + ...] for the tile's kRows rows; kt is
+// [D][ldk] (keys transposed): per dim, two vector loads and a broadcast per row
+template <int D>
+inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int64_t k0,
+                       float scale, float* const* s) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0v = _mm512_loadu_ps(kt + d * ldk + k0);
+    const __m512 k1v = _mm512_loadu_ps(kt + d * ldk + k0 + 16);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r][d]);
+      acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(s[r] + k0, _mm512_mul_ps(acc[r][0], sv));
+    _mm512_storeu_ps(s[r] + k0 + 16, _mm512_mul_ps(acc[r][1], sv));
+  }
+}
+
+// Row scores [0, limit) -> probabilities (exact softmax), zeros on [limit, n), n a multiple of
+// 16; returns 1 / sum.
+inline float softmax_row(float* s, int64_t limit, int64_t n) {
+  auto mask = [limit](int64_t k) -> __mmask16 {
+    const int64_t left = limit - k;
+    return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
+  };
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t k = 0; k < n; k += 16) m = _mm512_mask_max_ps(m, mask(k), m, _mm512_loadu_ps(s + k));
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 p = _mm512_maskz_mov_ps(
+        mask(k), avx512::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + k), mv)));
+    _mm512_storeu_ps(s + k, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// o[r] += sum over keys [k0, k1) of p[r][k] v[k] for the tile's kRows rows (o in memory: the
+// tile is reloaded per key chunk, while the chunk's V rows stay in L1 for every tile)
+template <int D>
+inline void pv_tile(const float* const* p, const float* const* v, int64_t k0, int64_t k1,
+                    float* const* o) {
+  constexpr int C = D / 16;
+  __m512 acc[kRows][C];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + 16 * c);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v[k - k0] + 16 * c);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r][k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
+}
+
+template <int D>
+void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const int64_t* table, int64_t ctx, double scale,
+                  const int64_t* kvi, torch::Tensor& out) {
+  const int64_t Tq = q.size(0), Hq = q.size(1), BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t block_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t first = ctx - Tq;  // position of the chunk's first query
+  const int64_t ldk = (ctx + kKeys - 1) / kKeys * kKeys;
+  const int64_t nblk = (ctx + BS - 1) / BS;
+  // keys transposed per KV head: kt[kh][d][t], zeros past ctx; kept across calls (no page
+  // faults per layer for a fresh buffer); the pool threads use it through this pointer
+  static thread_local std::vector<float> kt_buffer;
+  kt_buffer.resize(std::max<size_t>(kt_buffer.size(), Hkv * D * ldk));
+  float* const kt = kt_buffer.data();
+  at::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t kh = b / nblk, blk = b % nblk;
+      const float* src = kp + table[blk] * block_stride + kh * D;
+      float* dst = kt + kh * D * ldk + blk * BS;
+      const int64_t n = std::min(BS, ctx - blk * BS);
+      for (int d = 0; d < D; ++d)
+        for (int64_t j = 0; j < n; ++j) dst[d * ldk + j] = src[j * tok_stride + d];
+    }
+  });
+  for (int64_t row = 0; row < Hkv * D; ++row)
+    std::fill(kt + row * ldk + ctx, kt + (row + 1) * ldk, 0.f);
+  std::vector<int64_t> heads_by_kv, group_start(Hkv + 1, 0);
+  for (int64_t kh = 0; kh < Hkv; ++kh) {
+    group_start[kh] = heads_by_kv.size();
+    for (int64_t h = 0; h < Hq; ++h)
+      if (kvi[h] == kh) heads_by_kv.push_back(h);
+  }
+  group_start[Hkv] = heads_by_kv.size();
+  const int64_t qblocks = (Tq + kPos - 1) / kPos;
+  at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sbuf, obuf;
+    std::vector<const float*> qrow, vrow(kKeys);
+    std::vector<float*> srow, orow;
+    std::vector<int64_t> limit;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kh = t / qblocks, i = t % qblocks;
+      // early and late blocks alternate: contiguous task ranges cost about the same
+      const int64_t qb = i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2;
+      const int64_t p0 = qb * kPos, P = std::min<int64_t>(kPos, Tq - p0);
+      const int64_t G = group_start[kh + 1] - group_start[kh];
+      const int64_t R = G * P, tiles = (R + kRows - 1) / kRows, Rp = tiles * kRows;
+      const int64_t n = first + p0 + P;  // keys the task's last position sees
+      const int64_t npad = (n + kKeys - 1) / kKeys * kKeys;
+      // rows r = g * P + j: query head g of the group at position p0 + j; the last tile is
+      // padded by repeating the last row (computed, never stored)
+      sbuf.resize(Rp * npad), obuf.assign(Rp * D, 0.f);
+      qrow.resize(Rp), srow.resize(Rp), orow.resize(Rp), limit.resize(Rp);
+      for (int64_t r = 0; r < Rp; ++r) {
+        const int64_t rr = std::min(r, R - 1), h = heads_by_kv[group_start[kh] + rr / P];
+        const int64_t pos = p0 + rr % P;
+        qrow[r] = qp + pos * q_tok + h * q_head;
+        srow[r] = sbuf.data() + r * npad;
+        orow[r] = obuf.data() + r * D;
+        limit[r] = first + pos + 1;
+      }
+      const float* ktk = kt + kh * D * ldk;
+      for (int64_t k0 = 0; k0 < npad; k0 += kKeys)
+        for (int64_t tile = 0; tile < tiles; ++tile)
+          score_tile<D>(qrow.data() + tile * kRows, ktk, ldk, k0, (float)scale,
+                        srow.data() + tile * kRows);
+      std::vector<float> inv(Rp);
+      for (int64_t r = 0; r < Rp; ++r) inv[r] = softmax_row(srow[r], limit[r], npad);
+      for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
+        const int64_t k1 = std::min(n, k0 + kKeys);
+        for (int64_t k = k0; k < k1; ++k)
+          vrow[k - k0] = vp + table[k / BS] * block_stride + (k % BS) * tok_stride + kh * D;
+        for (int64_t tile = 0; tile < tiles; ++tile)
+          pv_tile<D>(srow.data() + tile * kRows, vrow.data(), k0, k1, orow.data() + tile * kRows);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = heads_by_kv[group_start[kh] + r / P], pos = p0 + r % P;
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(op + (pos * Hq + h) * D + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(orow[r] + 16 * c), iv));
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+bool prefill_attention_supported(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 64;  // 128 (6 x 8 P.V accumulators) needs its own tiling: SDPA for now
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// q [Tq, Hq, D] (any row and head strides, unit stride within a head) are the chunk's last Tq
+// positions of a sequence whose first `context_len` tokens (the chunk included) are in the
+// float32 caches [blocks, BS, Hkv, D] at `block_table`. Returns [Tq, Hq, D].
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_table,
+                                      int64_t context_len, double scale, torch::Tensor kv_index) {
+  const int64_t D = q.size(2);
+  TORCH_CHECK(prefill_attention_supported(D), "paged_prefill_attention: head_dim 64 with "
+              "AVX-512 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32 && q.stride(2) == 1 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(3) == D,
+              "paged_prefill_attention: float32, contiguous caches, unit stride within a head");
+  TORCH_CHECK(q.size(0) <= context_len && block_table.numel() * k_cache.size(1) >= context_len,
+              "paged_prefill_attention: the block table must cover context_len >= chunk length");
+  auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
+  auto table = block_table.to(torch::kInt64).contiguous();
+  auto kvi = kv_index.to(torch::kInt64).contiguous();
+#if defined(__AVX512F__)
+  prefill_impl<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, scale,
+                   kvi.data_ptr<int64_t>(), out);
+#endif
+  return out;
+}
