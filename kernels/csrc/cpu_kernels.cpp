@@ -19,6 +19,28 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
+// float <-> storage conversions as plain bit operations, so `omp simd` loops vectorize: with
+// c10's BFloat16 conversions a bf16 silu_mul of 1024 x 1536 took 6.5 ms (torch: 0.6 ms). Same
+// rounding as c10 (to nearest even; NaN -> 0x7FC0).
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T>
+inline T from_f(float f);
+template <>
+inline float from_f<float>(float f) { return f; }
+template <>
+inline bf16 from_f<bf16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return bf16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), bf16::from_bits());
+}
+
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
   float s = 0.f;
@@ -310,14 +332,14 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
       // The sum is stored at storage precision first, as torch's `residual + x` does.
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < H; ++i) {
-        const T sum = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
         rr[i] = sum;
-        r[i] = static_cast<float>(sum);
+        r[i] = to_f(sum);
         ss += r[i] * r[i];
       }
       const float inv = 1.f / std::sqrt(ss / (float)H + (float)eps);
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) xr[i] = static_cast<T>(static_cast<float>(wp[i]) * (r[i] * inv));
+      for (int64_t i = 0; i < H; ++i) xr[i] = from_f<T>(to_f(wp[i]) * (r[i] * inv));
     }
   });
 }
@@ -336,9 +358,9 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
       T* o = op + t * I;
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float x = static_cast<float>(g[i]);
-        const float silu = static_cast<float>(static_cast<T>(x / (1.f + exp_any(-x))));
-        o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
+        const float x = to_f(g[i]);
+        const float silu = to_f(from_f<T>(x / (1.f + exp_any(-x))));
+        o[i] = from_f<T>(silu * to_f(u[i]));
       }
     }
   });
@@ -365,14 +387,14 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
         T* v = x + h * D;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+          const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
           // Each product rounded to storage precision before the sum, like the torch reference.
-          const float a1 = static_cast<float>(static_cast<T>(x1 * static_cast<float>(c[i])));
-          const float b1 = static_cast<float>(static_cast<T>((-x2) * static_cast<float>(s[i])));
-          const float a2 = static_cast<float>(static_cast<T>(x2 * static_cast<float>(c[i + half])));
-          const float b2 = static_cast<float>(static_cast<T>(x1 * static_cast<float>(s[i + half])));
-          v[i] = static_cast<T>(a1 + b1);
-          v[i + half] = static_cast<T>(a2 + b2);
+          const float a1 = to_f(from_f<T>(x1 * to_f(c[i])));
+          const float b1 = to_f(from_f<T>((-x2) * to_f(s[i])));
+          const float a2 = to_f(from_f<T>(x2 * to_f(c[i + half])));
+          const float b2 = to_f(from_f<T>(x1 * to_f(s[i + half])));
+          v[i] = from_f<T>(a1 + b1);
+          v[i + half] = from_f<T>(a2 + b2);
         }
       }
       std::memcpy(kc + slp[t] * row, x + Hq * D, row * sizeof(T));
@@ -397,14 +419,14 @@ void sum_slots(const T* slots, int64_t world, int64_t stride, int64_t n, T* out)
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(slots[c0 + i]);
+    for (int64_t i = 0; i < m; ++i) acc[i] = to_f(slots[c0 + i]);
     for (int64_t r = 1; r < world; ++r) {
       const T* src = slots + r * stride + c0;
 #pragma omp simd
-      for (int64_t i = 0; i < m; ++i) acc[i] += static_cast<float>(src[i]);
+      for (int64_t i = 0; i < m; ++i) acc[i] += to_f(src[i]);
     }
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) out[c0 + i] = static_cast<T>(acc[i]);
+    for (int64_t i = 0; i < m; ++i) out[c0 + i] = from_f<T>(acc[i]);
   }
 }
 
