@@ -82,14 +82,38 @@ def test_small_m_linear(m, k, n, bias):
 def test_linear_beyond_small_m_and_other_dtypes_use_torch(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_ops, "_ext", type("Spy", (), {
-        "small_m_linear": staticmethod(lambda *a: calls.append(a) or torch.zeros(0))}))
+        "small_m_linear": staticmethod(lambda *a: calls.append("f32") or torch.zeros(0)),
+        "small_m_linear_bf16": staticmethod(lambda *a: calls.append("bf16") or torch.zeros(0))}))
+    monkeypatch.setattr(cpu_ops, "_BF16_GEMV", True)
     w = torch.randn(8, 16)
     cpu_ops.linear(torch.randn(cpu_ops.SMALL_M + 1, 16), w)
-    cpu_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    cpu_ops.linear(torch.randn(cpu_ops.SMALL_M + 1, 16).bfloat16(), w.bfloat16())
+    cpu_ops.linear(torch.randn(2, 16).half(), w.half())
+    cpu_ops.linear(torch.randn(cpu_ops.BF16_SMALL_M + 1, 16).bfloat16(), w.bfloat16())
     cpu_ops.linear(torch.randn(16, 2).t(), w)  # not contiguous
     assert not calls
     cpu_ops.linear(torch.randn(cpu_ops.SMALL_M, 16), w)
-    assert len(calls) == 1
+    cpu_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    assert calls == ["f32", "bf16"]
+
+
+@pytest.mark.skipif(not cpu_ops._BF16_GEMV, reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (32, 4099, False)])
+def test_small_m_linear_bf16(m, k, n, bias):
+    """The bf16 decode linear is as close to a float32 product of the same bf16 values as
+    torch's bf16 linear is (one rounding of an fp32 sum), and batch-invariant up to
+    BF16_SMALL_M rows."""
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = cpu_ops.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    exact = ref.linear(x.float(), w.float(), None if b is None else b.float())
+    torch_err = (ref.linear(x, w, b).float() - exact).abs().max()
+    assert (got.float() - exact).abs().max() <= torch_err + 1e-3
+    for i in {0, m - 1}:
+        assert torch.equal(cpu_ops.linear(x[i:i + 1].contiguous(), w, b)[0], got[i])
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 7), (300, 64)])

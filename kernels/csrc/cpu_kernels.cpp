@@ -562,6 +562,8 @@ torch::Tensor shm_sum(torch::Tensor x, torch::Tensor slots) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);
+  m.def("small_m_linear_bf16", &small_m_linear_bf16);
+  m.def("bf16_gemv_supported", &bf16_gemv_supported);
   bind_decode_layer(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);

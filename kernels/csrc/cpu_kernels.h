@@ -1,6 +1,6 @@
 // The tensor-level CPU kernels the Python module exposes, for other translation units that
 // compose them (decode_layer.cpp). Definitions: cpu_kernels.cpp, cpu_gemv.cpp,
-// prefill_attention.cpp.
+// cpu_gemv_bf16.cpp, prefill_attention.cpp.
 #pragma once
 #include <torch/extension.h>
 
@@ -14,6 +14,9 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias);
+bool bf16_gemv_supported();
+torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
+                                  c10::optional<torch::Tensor> bias);
 c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
                                             torch::Tensor flags, int64_t rank, int64_t seq,
                                             int64_t max_spins);
