@@ -46,6 +46,23 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
+// The scaled scores of query q (64 floats) against 16 key rows (kb, `row` floats apart; rows
+// from nc on repeat row nc - 1: the caller masks them): lane j is token j's score.
+inline __m512 scores16(const float* q, const float* kb, int64_t row, int nc, float scale) {
+  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
+               q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+  __m512 d[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const float* k = kb + std::min(j, nc - 1) * row;
+    __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+    s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
+    s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
+    d[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
+  }
+  return _mm512_mul_ps(transpose_sum16(d), _mm512_set1_ps(scale));
+}
+
 // heads[0, G) (G <= 4) all read KV head kh; rows of the block are `row` floats apart.
 // acc [Hq, 64] (unnormalised), mx / den [Hq]: the heads' running softmax states.
 inline void block_group_d64(const float* qf, const float* kblk, const float* vblk, int64_t n,
@@ -59,19 +76,7 @@ inline void block_group_d64(const float* qf, const float* kblk, const float* vbl
     const __mmask16 valid = static_cast<__mmask16>((1u << nc) - 1u);
     __m512 p[GMAX], a[GMAX][4];
     for (int g = 0; g < G; ++g) {
-      const float* q = qf + heads[g] * 64;
-      const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
-                   q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-      __m512 d[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        const float* k = kb + (j0 + std::min(j, nc - 1)) * row;  // rows past n: masked below
-        __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-        s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
-        s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
-        d[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
-      }
-      const __m512 s = _mm512_mul_ps(transpose_sum16(d), _mm512_set1_ps(scale));
+      const __m512 s = scores16(qf + heads[g] * 64, kb + j0 * row, row, nc, scale);  // masked below
       const int64_t h = heads[g];
       const float m = std::max(mx[h], _mm512_mask_reduce_max_ps(valid, s));
       const float corr = std::exp(mx[h] - m);  // 0 on the first block: acc is still 0
@@ -144,20 +149,8 @@ inline void attend_blocks_d64(const float* qf, const float* kp, const float* vp,
         const __mmask16 valid = static_cast<__mmask16>((1u << nc) - 1u);
         for (int64_t g = group_start[kh]; g < group_start[kh + 1]; ++g) {
           const int64_t h = heads_by_kv[g];
-          const float* q = qf + h * 64;
-          const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
-                       q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-          __m512 d[16];
-#pragma GCC unroll 16
-          for (int j = 0; j < 16; ++j) {
-            const float* k = kb + (j0 + std::min(j, nc - 1)) * row;  // rows past n: not stored
-            __m512 s = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-            s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), s);
-            s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), s);
-            d[j] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), s);
-          }
           _mm512_mask_storeu_ps(sc + h * Tp + base + j0, valid,
-                                _mm512_mul_ps(transpose_sum16(d), _mm512_set1_ps(scale)));
+                                scores16(qf + h * 64, kb + j0 * row, row, nc, scale));
         }
       }
     }

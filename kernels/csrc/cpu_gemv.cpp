@@ -14,6 +14,7 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "small_m_gemm.h"
 #include "vec.h"
 
 namespace {
@@ -27,41 +28,29 @@ inline v16f fma16(v16f a, v16f b, v16f c) {
 }
 
 // R weight rows (w, stride K) x MM input rows (x, stride K) -> y[m * ldy + r]
-template <int R, int MM>
-inline void tile(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
-  v16f acc[R][MM];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MM; ++m) acc[r][m] = v16f{};
-  const int64_t kv = K - K % 16;
-  for (int64_t k = 0; k < kv; k += 16) {
-    v16f xs[MM];
-    for (int m = 0; m < MM; ++m) xs[m] = load16(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const v16f wv = load16(w + r * K + k);
-      for (int m = 0; m < MM; ++m) acc[r][m] = fma16(wv, xs[m], acc[r][m]);
+struct Fp32Tile {
+  template <int R, int MM>
+  static void run(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
+    v16f acc[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = v16f{};
+    const int64_t kv = K - K % 16;
+    for (int64_t k = 0; k < kv; k += 16) {
+      v16f xs[MM];
+      for (int m = 0; m < MM; ++m) xs[m] = load16(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const v16f wv = load16(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = fma16(wv, xs[m], acc[r][m]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) {
+        float s = sum16(acc[r][m]);
+        for (int64_t k = kv; k < K; ++k) s += w[r * K + k] * x[m * K + k];
+        y[m * ldy + r] = s;
+      }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MM; ++m) {
-      float s = sum16(acc[r][m]);
-      for (int64_t k = kv; k < K; ++k) s += w[r * K + k] * x[m * K + k];
-      y[m * ldy + r] = s;
-    }
-}
-
-template <int R>
-inline void rows_by_inputs(const float* w, const float* x, int64_t M, int64_t K, float* y,
-                           int64_t ldy) {
-  // inputs in groups of 4: the R weight rows come from memory once, then from L1
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(w, x + m * K, K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: tile<R, 3>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 2: tile<R, 2>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 1: tile<R, 1>(w, x + m * K, K, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
+};
 
 }  // namespace
 
@@ -78,19 +67,7 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  // >= ~64 KB of weights per task: small layers stay on one thread
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 4 * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 4;
-      if (n + 4 <= N) {
-        rows_by_inputs<4>(wp + n * K, xp, M, K, yp + n, N);
-      } else {
-        for (int64_t r = n; r < N; ++r) rows_by_inputs<1>(wp + r * K, xp, M, K, yp + r, N);
-      }
-    }
-  });
+  small_m::gemm<Fp32Tile>(wp, xp, M, K, N, yp);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }

@@ -12,52 +12,42 @@
 #include <cstring>
 
 #include "cpu_kernels.h"
+#include "small_m_gemm.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 namespace {
 
-template <int R, int MM>
-inline void tile_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[R][MM];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
-  const int64_t kv = K - K % 32;
-  for (int64_t k = 0; k < kv; k += 32) {
-    __m512bh xs[MM];
-    for (int m = 0; m < MM; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-      for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xs[m]);
+struct Bf16Tile {
+  template <int R, int MM>
+  static void run(const uint16_t* w, const uint16_t* x, int64_t K, float* y, int64_t ldy) {
+    __m512 acc[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+    const int64_t kv = K - K % 32;
+    for (int64_t k = 0; k < kv; k += 32) {
+      __m512bh xs[MM];
+      for (int m = 0; m < MM; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xs[m]);
+      }
     }
+    auto widen = [](uint16_t b) {
+      const uint32_t bits = static_cast<uint32_t>(b) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      return f;
+    };
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) {
+        float s = _mm512_reduce_add_ps(acc[r][m]);
+        for (int64_t k = kv; k < K; ++k) s += widen(w[r * K + k]) * widen(x[m * K + k]);
+        y[m * ldy + r] = s;
+      }
   }
-  auto widen = [](uint16_t b) {
-    const uint32_t bits = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  };
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MM; ++m) {
-      float s = _mm512_reduce_add_ps(acc[r][m]);
-      for (int64_t k = kv; k < K; ++k) s += widen(w[r * K + k]) * widen(x[m * K + k]);
-      y[m * ldy + r] = s;
-    }
-}
-
-template <int R>
-inline void rows_by_inputs_bf16(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K,
-                                float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_bf16<R, 4>(w, x + m * K, K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: tile_bf16<R, 3>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 2: tile_bf16<R, 2>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 1: tile_bf16<R, 1>(w, x + m * K, K, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
+};
 
 }  // namespace
 #endif
@@ -85,18 +75,7 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 4 * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * 4;
-      if (n + 4 <= N) {
-        rows_by_inputs_bf16<4>(wp + n * K, xp, M, K, yp + n, N);
-      } else {
-        for (int64_t r = n; r < N; ++r) rows_by_inputs_bf16<1>(wp + r * K, xp, M, K, yp + r, N);
-      }
-    }
-  });
+  small_m::gemm<Bf16Tile>(wp, xp, M, K, N, yp);
 #endif
   if (bias.has_value() && bias->defined()) y.add_(*bias);  // in fp32, one rounding below
   return y.to(torch::kBFloat16);

@@ -267,14 +267,8 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   for (int64_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, (lp[b] + BS - 1) / BS);
   const int64_t S = num_splits > 0 ? num_splits
                                    : choose_splits(B, max_blocks, at::get_num_threads());
-  // query heads grouped by the KV head they read (any map: uneven TP splits included)
-  std::vector<int64_t> heads_by_kv, group_start(Hkv + 1, 0);
-  for (int64_t kh = 0; kh < Hkv; ++kh) {
-    group_start[kh] = heads_by_kv.size();
-    for (int64_t h = 0; h < Hq; ++h)
-      if (ip[h] == kh) heads_by_kv.push_back(h);
-  }
-  group_start[Hkv] = heads_by_kv.size();
+  std::vector<int64_t> heads_by_kv, group_start;
+  group_heads_by_kv(ip, Hq, Hkv, heads_by_kv, group_start);
   // partial states of every (sequence, split): acc [Hq, D], then max [Hq], then den [Hq]
   const int64_t part = Hq * (D + 2);
   std::vector<float> parts(B * S * part);

@@ -4,6 +4,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <vector>
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale, torch::Tensor kv_index, int64_t num_splits);
@@ -20,6 +22,21 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
 c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
                                             torch::Tensor flags, int64_t rank, int64_t seq,
                                             int64_t max_spins);
+// Query heads grouped by the KV head they read (kv_index[h], any map: uneven TP splits
+// included): group kh is heads_by_kv[group_start[kh], group_start[kh + 1]).
+inline void group_heads_by_kv(const int64_t* kv_index, int64_t Hq, int64_t Hkv,
+                              std::vector<int64_t>& heads_by_kv,
+                              std::vector<int64_t>& group_start) {
+  heads_by_kv.clear();
+  group_start.assign(Hkv + 1, 0);
+  for (int64_t kh = 0; kh < Hkv; ++kh) {
+    group_start[kh] = static_cast<int64_t>(heads_by_kv.size());
+    for (int64_t h = 0; h < Hq; ++h)
+      if (kv_index[h] == kh) heads_by_kv.push_back(h);
+  }
+  group_start[Hkv] = static_cast<int64_t>(heads_by_kv.size());
+}
+
 bool prefill_attention_supported(int64_t head_dim);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table,

@@ -125,13 +125,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
   for (int64_t row = 0; row < Hkv * D; ++row)
     std::fill(kt + row * ldk + ctx, kt + (row + 1) * ldk, 0.f);
-  std::vector<int64_t> heads_by_kv, group_start(Hkv + 1, 0);
-  for (int64_t kh = 0; kh < Hkv; ++kh) {
-    group_start[kh] = heads_by_kv.size();
-    for (int64_t h = 0; h < Hq; ++h)
-      if (kvi[h] == kh) heads_by_kv.push_back(h);
-  }
-  group_start[Hkv] = heads_by_kv.size();
+  std::vector<int64_t> heads_by_kv, group_start;
+  group_heads_by_kv(kvi, Hq, Hkv, heads_by_kv, group_start);
   const int64_t qblocks = (Tq + kPos - 1) / kPos;
   at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sbuf, obuf;
