@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <algorithm>
 #include <vector>
@@ -524,7 +525,9 @@ c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots
   auto out = torch::empty_like(x);
   bool arrived = true;
   {
-    pybind11::gil_scoped_release no_gil;
+    // the wait without the GIL (called from Python, or from a kernel that released it already)
+    std::optional<pybind11::gil_scoped_release> no_gil;
+    if (PyGILState_Check()) no_gil.emplace();
     std::memcpy(static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size(),
                 x.data_ptr(), n * x.element_size());
     __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);

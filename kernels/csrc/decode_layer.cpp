@@ -141,8 +141,11 @@ void bind_decode_layer(pybind11::module& m) {
         return DecodeLayer{norm1, qkv_w, o_w, norm2, gate_up_w, down_w, k_cache, v_cache,
                            kv_index, qkv_b, o_b, gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
       }));
-  m.def("decode_stack", &decode_stack);
-  m.def("decode_stack_tp", &decode_stack_tp);
+  // Without the GIL: a decode step is ~20-25 ms in here, and the serving process has other
+  // Python threads (the Triton adapter's response thread) that need not wait for it.
+  m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_stack_tp", &decode_stack_tp,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   // The halves for several ranks, collectives in between (o's and down's biases: after them).
   // Given a shared-memory collective (slots, flags, rank, seq, spins), a half also posts its
   // partial sum and sums every rank's (shm_all_reduce) before returning to Python; the result
