@@ -158,6 +158,13 @@ def test_model_config_parameters():
     kwargs, opts = parse_parameters(cfg)
     assert kwargs == {"max_num_seqs": 8, "kv_cache_memory_gb": 0.5} and not opts.enable_metrics
     check_transaction_policy(cfg)
+    kwargs, _ = parse_parameters({"parameters": {"cpu_packed_gemm": {"string_value": "false"}}})
+    assert kwargs == {"cpu_packed_gemm": False}
+    from dataclasses import fields
+
+    from backend.engine.config import EngineConfig
+    from backend.triton.model_config import ENGINE_PARAMETERS
+    assert {f for _, f in ENGINE_PARAMETERS.values()} <= {f.name for f in fields(EngineConfig)}
     with pytest.raises(ValueError, match="parameter max_num_seqs: must be an integer"):
         parse_parameters({"parameters": {"max_num_seqs": {"string_value": "many"}}})
     with pytest.raises(ValueError, match="parameter kv_budget: unknown"):
