@@ -1,7 +1,7 @@
-"""The CPU path: C++ kernels where they pay (small-batch float32 linears, decode attention,
-add+RMSNorm, rotary+KV write, silu*mul),
-the torch reference for everything else and for any input they don't cover (storage other than
-float32 / bfloat16, non-contiguous tensors).
+"""The CPU path: C++ kernels where they pay (small-batch float32 and bf16 linears, decode and
+prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stack), MKL's packed
+GEMM for full decode batches, and the torch reference for everything else and for any input the
+kernels don't cover (storage other than float32 / bfloat16, non-contiguous tensors).
 Same names and signatures as kernels/reference.py, so dispatch is a namespace swap."""
 from __future__ import annotations
 
