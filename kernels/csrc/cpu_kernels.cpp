@@ -510,40 +510,45 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // slots. Returns None if the peers did not all arrive in time: the caller then waits its slow
 // way (yielding, checking that the peers live) and calls shm_sum. One C++ call instead of
 // several torch ops: each cost up to ~14 us when its code had gone cold between collectives.
-c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
-                                            torch::Tensor flags, int64_t rank, int64_t seq,
-                                            int64_t max_spins) {
+bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,
+                         const torch::Tensor& flags, int64_t rank, int64_t seq,
+                         int64_t max_spins) {
   check_storage(x, "shm_all_reduce");
   TORCH_CHECK(x.is_contiguous() && slots.is_contiguous() && slots.dim() == 2 &&
                   slots.scalar_type() == x.scalar_type() && x.numel() <= slots.size(1) &&
                   flags.scalar_type() == torch::kInt64 && flags.dim() == 2 &&
-                  flags.size(0) == slots.size(0),
+                  flags.size(0) == slots.size(0) && out.is_contiguous() &&
+                  out.numel() == x.numel() && out.scalar_type() == x.scalar_type(),
               "shm_all_reduce: contiguous x within the slot, matching dtypes");
   const int64_t world = slots.size(0), n = x.numel(), stride = slots.size(1);
   const int64_t line = flags.size(1);
   int64_t* fp = flags.data_ptr<int64_t>();
-  auto out = torch::empty_like(x);
   bool arrived = true;
-  {
-    // the wait without the GIL (called from Python, or from a kernel that released it already)
-    std::optional<pybind11::gil_scoped_release> no_gil;
-    if (PyGILState_Check()) no_gil.emplace();
-    std::memcpy(static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size(),
-                x.data_ptr(), n * x.element_size());
-    __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);
-    for (int64_t r = 0; r < world && arrived; ++r) {
-      int64_t spins = 0;
-      while (__atomic_load_n(fp + r * line, __ATOMIC_ACQUIRE) < seq) {
-        if (++spins > max_spins) {
-          arrived = false;
-          break;
-        }
-        cpu_relax();
+  // the wait without the GIL (called from Python, or from a kernel that released it already)
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (PyGILState_Check()) no_gil.emplace();
+  std::memcpy(static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size(),
+              x.data_ptr(), n * x.element_size());
+  __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < world && arrived; ++r) {
+    int64_t spins = 0;
+    while (__atomic_load_n(fp + r * line, __ATOMIC_ACQUIRE) < seq) {
+      if (++spins > max_spins) {
+        arrived = false;
+        break;
       }
+      cpu_relax();
     }
-    if (arrived) sum_slots_into(slots, out);
   }
-  if (!arrived) return c10::nullopt;
+  if (arrived) sum_slots_into(slots, out);  // reads only the slots: out may be x itself
+  return arrived;
+}
+
+c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
+                                            torch::Tensor flags, int64_t rank, int64_t seq,
+                                            int64_t max_spins) {
+  auto out = torch::empty_like(x);
+  if (!shm_all_reduce_into(x, out, slots, flags, rank, seq, max_spins)) return c10::nullopt;
   return out;
 }
 

@@ -19,6 +19,10 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
 bool bf16_gemv_supported();
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias);
+// shm_all_reduce with the sum written to `out` (x itself allowed: a fused kernel's own partial,
+// no allocation); returns whether every rank arrived within the spins (else out is untouched)
+bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,
+                         const torch::Tensor& flags, int64_t rank, int64_t seq, int64_t max_spins);
 c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
                                             torch::Tensor flags, int64_t rank, int64_t seq,
                                             int64_t max_spins);
