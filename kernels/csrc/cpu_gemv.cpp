@@ -57,17 +57,25 @@ struct Fp32Tile {
 // x [M, K], weight [N, K], bias [N] or undefined; all float32 and contiguous.
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias) {
+  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  small_m_linear_into(x, weight, bias, y);
+  return y;
+}
+
+// The same into y [M, N] (contiguous float32), e.g. a fused decode step's workspace.
+void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
+                         const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_m_linear: x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
                   x.is_contiguous() && weight.is_contiguous(),
               "small_m_linear: contiguous float32 only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
+              y.size(1) == N, "small_m_linear: y [M, N] contiguous float32");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   small_m::gemm<Fp32Tile>(wp, xp, M, K, N, yp);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
-  return y;
 }

@@ -253,7 +253,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& tables,
                            const torch::Tensor& lens, double scale, const torch::Tensor& kvi,
                            int64_t num_splits, torch::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), q_rows = q.stride(0);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t MB = tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -279,7 +279,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t b = task / S, s = task % S, L = lp[b];
       const int64_t nblk = (L + BS - 1) / BS, per = (nblk + S - 1) / S;
       float* acc = parts.data() + task * part;
-      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * Hq * D + i]);
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * q_rows + i]);
       attend_blocks<T>(qf.data(), kp, vp, tp + b * MB, L, std::min(nblk, s * per),
                        std::min(nblk, (s + 1) * per), BS, Hkv, Hq, D, block_stride,
                        heads_by_kv.data(), group_start.data(), (float)scale, acc, acc + Hq * D,
@@ -443,13 +443,27 @@ void sum_slots_into(const torch::Tensor& slots, torch::Tensor& out) {
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale, torch::Tensor kv_index, int64_t num_splits) {
+  auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  paged_decode_attention_into(q, k_cache, v_cache, block_tables, context_lens, scale, kv_index,
+                              num_splits, out);
+  return out;
+}
+
+// The same into out [B, Hq, D] (contiguous); q's rows may be strided (a view into the fused
+// qkv rows), each row's [Hq, D] contiguous.
+void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                 const torch::Tensor& context_lens, double scale,
+                                 const torch::Tensor& kv_index, int64_t num_splits,
+                                 torch::Tensor& out) {
   check_storage(q, "paged_decode_attention");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention: contiguous caches only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode_attention: q and the caches must share a dtype");
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  if (q.dim() != 3 || q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+              out.scalar_type() == q.scalar_type(), "paged_decode_attention: out like q");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto kvi = kv_index.contiguous();
@@ -457,7 +471,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     decode_attention_impl<bf16>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
   else
     decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
-  return out;
 }
 
 // residual += x; x = rms_norm(residual) * weight   (both in place, rows in parallel)
@@ -492,15 +505,21 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
 
 // gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_storage(gate_up, "silu_mul");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "silu_mul: a contiguous [N, 2I] tensor only");
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_into(gate_up, out);
+  return out;
+}
+
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+  check_storage(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0 &&
+                  out.is_contiguous() && out.scalar_type() == gate_up.scalar_type() &&
+                  out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2,
+              "silu_mul: a contiguous [N, 2I] tensor only, out [N, I]");
   if (gate_up.scalar_type() == torch::kBFloat16)
     silu_mul_impl<bf16>(gate_up, out);
   else
     silu_mul_impl<float>(gate_up, out);
-  return out;
 }
 
 // The shared-memory one-shot all-reduce's hot path (backend/parallel/shm_comm.py): x is copied

@@ -16,6 +16,16 @@ void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, i
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias);
+// The *_into forms write a preallocated output (a fused decode step's workspace): between
+// layers, with its code gone cold after the GEMVs, each tensor allocation cost ~5 us.
+void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
+                         const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
+void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                 const torch::Tensor& context_lens, double scale,
+                                 const torch::Tensor& kv_index, int64_t num_splits,
+                                 torch::Tensor& out);
 bool bf16_gemv_supported();
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias);

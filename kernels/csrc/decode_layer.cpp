@@ -12,37 +12,65 @@
 #include <chrono>
 #include <tuple>
 
-// [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
-// projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
-// without o's bias). Returns {partial o output, residual}.
 namespace {
 
+// A decode step's intermediates for B rows, allocated once per call of a whole stack instead of
+// in every layer (each allocation there cost ~5 us: its code gone cold after the GEMVs). q and
+// attn2d are views made once too. Layers of one model share the shapes.
+struct Workspace {
+  torch::Tensor qkv, q, attn, attn2d, o, gate_up, h, down;
+
+  // the attention half's buffers, the MLP half's, or both
+  Workspace(const torch::Tensor& x, int64_t Hq, int64_t Hkv, int64_t D, int64_t qkv_n,
+            int64_t o_n, int64_t gate_up_n, int64_t down_n, bool attention, bool mlp) {
+    const int64_t B = x.size(0);
+    if (attention) {
+      qkv = torch::empty({B, qkv_n}, x.options());
+      q = qkv.view({B, Hq + 2 * Hkv, D}).narrow(1, 0, Hq);
+      attn = torch::empty({B, Hq, D}, x.options());
+      attn2d = attn.view({B, Hq * D});
+      o = torch::empty({B, o_n}, x.options());
+    }
+    if (mlp) {
+      gate_up = torch::empty({B, gate_up_n}, x.options());
+      h = torch::empty({B, gate_up_n / 2}, x.options());
+      down = torch::empty({B, down_n}, x.options());
+    }
+  }
+};
+
+// [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
+// projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
+// without o's bias) into the workspace. Returns {partial o output, residual}.
 std::vector<torch::Tensor> decode_attention_half(
     torch::Tensor x, torch::Tensor residual, bool add_residual, torch::Tensor norm_weight,
     double eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias,
     torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, torch::Tensor k_cache,
     torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale, torch::Tensor kv_index, torch::Tensor o_weight) {
+    torch::Tensor context_lens, double scale, torch::Tensor kv_index, torch::Tensor o_weight,
+    Workspace& ws) {
   if (add_residual) add_rms_norm_(x, residual, norm_weight, eps);
-  auto qkv = small_m_linear(x, qkv_weight, qkv_bias);
-  rotary_write_kv_(qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slot_mapping);
-  const int64_t B = qkv.size(0), D = cos.size(1);
-  auto q = qkv.view({B, Hq + 2 * Hkv, D}).narrow(1, 0, Hq);
-  auto attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                     kv_index, 0);
-  return {small_m_linear(attn.view({B, Hq * D}), o_weight, c10::nullopt), residual};
+  small_m_linear_into(x, qkv_weight, qkv_bias, ws.qkv);
+  rotary_write_kv_(ws.qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slot_mapping);
+  paged_decode_attention_into(ws.q, k_cache, v_cache, block_tables, context_lens, scale,
+                              kv_index, 0, ws.attn);
+  small_m_linear_into(ws.attn2d, o_weight, c10::nullopt, ws.o);
+  return {ws.o, residual};
 }
 
 // [residual += x; x = rms_norm(residual)], gate/up projection, silu * up, down projection (this
-// rank's partial sum, without down's bias). Returns {partial down output, residual}.
+// rank's partial sum, without down's bias) into the workspace. Returns {partial down output,
+// residual}.
 std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residual,
                                            torch::Tensor norm_weight, double eps,
                                            torch::Tensor gate_up_weight,
                                            c10::optional<torch::Tensor> gate_up_bias,
-                                           torch::Tensor down_weight) {
+                                           torch::Tensor down_weight, Workspace& ws) {
   add_rms_norm_(x, residual, norm_weight, eps);
-  auto h = silu_mul(small_m_linear(x, gate_up_weight, gate_up_bias));
-  return {small_m_linear(h, down_weight, c10::nullopt), residual};
+  small_m_linear_into(x, gate_up_weight, gate_up_bias, ws.gate_up);
+  silu_mul_into(ws.gate_up, ws.h);
+  small_m_linear_into(ws.h, down_weight, c10::nullopt, ws.down);
+  return {ws.down, residual};
 }
 
 }  // namespace
@@ -54,6 +82,11 @@ struct DecodeLayer {
   c10::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
   double eps1, eps2, scale;
   int64_t Hq, Hkv;
+
+  Workspace workspace(const torch::Tensor& x, bool attention = true, bool mlp = true) const {
+    return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.size(0), o_w.size(0), gate_up_w.size(0),
+                     down_w.size(0), attention, mlp);
+  }
 };
 
 // Every layer of a one-rank model for a decode-only step, without returning to Python between
@@ -65,12 +98,15 @@ std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, 
                                         torch::Tensor cos, torch::Tensor sin,
                                         torch::Tensor slot_mapping, torch::Tensor block_tables,
                                         torch::Tensor context_lens) {
+  if (layers.empty()) return {x, residual};
+  Workspace ws = layers[0].workspace(x);
   for (const auto& l : layers) {
     auto a = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w, l.qkv_b,
                                    cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping,
-                                   block_tables, context_lens, l.scale, l.kv_index, l.o_w);
+                                   block_tables, context_lens, l.scale, l.kv_index, l.o_w, ws);
     if (l.o_b.has_value()) a[0].add_(*l.o_b);
-    auto m = decode_mlp_half(a[0], a[1], l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+    auto m = decode_mlp_half(a[0], a[1], l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w,
+                             ws);
     if (l.down_b.has_value()) m[0].add_(*l.down_b);
     x = m[0], residual = m[1], add_residual = true;
   }
@@ -109,14 +145,16 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
   TORCH_CHECK(buffers.size() == 2, "decode_stack_tp: two collective buffers");
   const int64_t halves = 2 * static_cast<int64_t>(layers.size());
   double seconds = 0.0;
+  if (start >= halves) return {x, residual, 0, true, seconds};
+  Workspace ws = layers[0].workspace(x);
   for (int64_t i = start; i < halves; ++i) {
     const DecodeLayer& l = layers[i / 2];
     const bool attention = i % 2 == 0;
     auto half = attention
         ? decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w, l.qkv_b,
                                 cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping,
-                                block_tables, context_lens, l.scale, l.kv_index, l.o_w)
-        : decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+                                block_tables, context_lens, l.scale, l.kv_index, l.o_w, ws)
+        : decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w, ws);
     const int64_t seq = seq0 + (i - start);
     auto [out, res, arrived, dt] =
         collect(half, ShmCollective{buffers[seq & 1], flags, rank, seq, spins});
@@ -158,15 +196,17 @@ void bind_decode_layer(pybind11::module& m) {
            torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
            torch::Tensor block_tables, torch::Tensor context_lens,
            c10::optional<ShmCollective> coll) {
+          Workspace ws = l.workspace(x, true, false);
           auto r = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w,
                                          l.qkv_b, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
                                          slot_mapping, block_tables, context_lens, l.scale,
-                                         l.kv_index, l.o_w);
+                                         l.kv_index, l.o_w, ws);
           return collect(r, coll);
         });
   m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual,
                               c10::optional<ShmCollective> coll) {
-    auto r = decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w);
+    Workspace ws = l.workspace(x, false, true);
+    auto r = decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w, ws);
     return collect(r, coll);
   });
 }
