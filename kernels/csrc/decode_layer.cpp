@@ -1,5 +1,7 @@
-// One decoder layer of a decode-only step (float32, a few rows), as two calls that end where the
-// layer's two collectives are (tensor parallelism all-reduces in between, in Python).
+// The decoder layers of a decode-only step (float32, a few rows) in C++: every layer in one call
+// (decode_stack: one rank; decode_stack_tp: a tensor-parallel rank, each layer half ending in its
+// shared-memory all-reduce), or a layer as two calls split at its two collectives (the halves:
+// when the all-reduces go through Python, e.g. over gloo).
 //
 // Why: the same kernels called one by one from Python cost ~10 Python-level calls per layer,
 // and each one, with the caches just flushed by the weight stream, took 5-30 us beyond its own
