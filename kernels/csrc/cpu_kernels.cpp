@@ -46,14 +46,14 @@ template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_f(b[i]);
   return s;
 }
 
 template <typename T>
 inline void axpy(float* y, const T* x, float a, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * to_f(x[i]);
 }
 
 // exp(x) for x <= 0 (softmax arguments), vectorizable: 2^k * p(r) with x = k ln2 + r, |r| <=
@@ -215,9 +215,9 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
     } else {  // bf16 storage: widen the block once; every query head then reads fp32
       kb.resize(BS * row), vb.resize(BS * row);
 #pragma omp simd
-      for (int64_t i = 0; i < n * row; ++i) kb[i] = static_cast<float>(kbase[i]);
+      for (int64_t i = 0; i < n * row; ++i) kb[i] = to_f(kbase[i]);
 #pragma omp simd
-      for (int64_t i = 0; i < n * row; ++i) vb[i] = static_cast<float>(vbase[i]);
+      for (int64_t i = 0; i < n * row; ++i) vb[i] = to_f(vbase[i]);
       kblk = kb.data(), vblk = vb.data();
     }
     for (int64_t kh = 0; kh < Hkv; ++kh) {
@@ -279,7 +279,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t b = task / S, s = task % S, L = lp[b];
       const int64_t nblk = (L + BS - 1) / BS, per = (nblk + S - 1) / S;
       float* acc = parts.data() + task * part;
-      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qp[b * q_rows + i]);
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = to_f(qp[b * q_rows + i]);
       attend_blocks<T>(qf.data(), kp, vp, tp + b * MB, L, std::min(nblk, s * per),
                        std::min(nblk, (s + 1) * per), BS, Hkv, Hq, D, block_stride,
                        heads_by_kv.data(), group_start.data(), (float)scale, acc, acc + Hq * D,
@@ -305,7 +305,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
           for (int64_t i = 0; i < D; ++i) o[i] += p[h * D + i] * w;
         }
         const float inv = den > 0.f ? 1.f / den : 0.f;
-        for (int64_t i = 0; i < D; ++i) op[(b * Hq + h) * D + i] = static_cast<T>(o[i] * inv);
+        for (int64_t i = 0; i < D; ++i) op[(b * Hq + h) * D + i] = from_f<T>(o[i] * inv);
       }
     }
   });
