@@ -41,42 +41,6 @@ struct Workspace {
   }
 };
 
-// [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
-// projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
-// without o's bias) into the workspace. Returns {partial o output, residual}.
-std::vector<torch::Tensor> decode_attention_half(
-    torch::Tensor x, torch::Tensor residual, bool add_residual, torch::Tensor norm_weight,
-    double eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias,
-    torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, double scale, torch::Tensor kv_index, torch::Tensor o_weight,
-    Workspace& ws) {
-  if (add_residual) add_rms_norm_(x, residual, norm_weight, eps);
-  small_m_linear_into(x, qkv_weight, qkv_bias, ws.qkv);
-  rotary_write_kv_(ws.qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slot_mapping);
-  paged_decode_attention_into(ws.q, k_cache, v_cache, block_tables, context_lens, scale,
-                              kv_index, 0, ws.attn);
-  small_m_linear_into(ws.attn2d, o_weight, c10::nullopt, ws.o);
-  return {ws.o, residual};
-}
-
-// [residual += x; x = rms_norm(residual)], gate/up projection, silu * up, down projection (this
-// rank's partial sum, without down's bias) into the workspace. Returns {partial down output,
-// residual}.
-std::vector<torch::Tensor> decode_mlp_half(torch::Tensor x, torch::Tensor residual,
-                                           torch::Tensor norm_weight, double eps,
-                                           torch::Tensor gate_up_weight,
-                                           c10::optional<torch::Tensor> gate_up_bias,
-                                           torch::Tensor down_weight, Workspace& ws) {
-  add_rms_norm_(x, residual, norm_weight, eps);
-  small_m_linear_into(x, gate_up_weight, gate_up_bias, ws.gate_up);
-  silu_mul_into(ws.gate_up, ws.h);
-  small_m_linear_into(ws.h, down_weight, c10::nullopt, ws.down);
-  return {ws.down, residual};
-}
-
-}  // namespace
-
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
 // per-step tensors (pybind's conversion of ~18 arguments per call was itself ~10 us).
 struct DecodeLayer {
@@ -91,6 +55,36 @@ struct DecodeLayer {
   }
 };
 
+// [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
+// projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
+// without o's bias) into the workspace. Returns {partial o output, residual}.
+std::vector<torch::Tensor> decode_attention_half(
+    const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+    const torch::Tensor& block_tables, const torch::Tensor& context_lens, Workspace& ws) {
+  if (add_residual) add_rms_norm_(x, residual, l.norm1, l.eps1);
+  small_m_linear_into(x, l.qkv_w, l.qkv_b, ws.qkv);
+  rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
+  paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens, l.scale,
+                              l.kv_index, 0, ws.attn);
+  small_m_linear_into(ws.attn2d, l.o_w, c10::nullopt, ws.o);
+  return {ws.o, residual};
+}
+
+// [residual += x; x = rms_norm(residual)], gate/up projection, silu * up, down projection (this
+// rank's partial sum, without down's bias) into the workspace. Returns {partial down output,
+// residual}.
+std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x,
+                                           torch::Tensor residual, Workspace& ws) {
+  add_rms_norm_(x, residual, l.norm2, l.eps2);
+  small_m_linear_into(x, l.gate_up_w, l.gate_up_b, ws.gate_up);
+  silu_mul_into(ws.gate_up, ws.h);
+  small_m_linear_into(ws.h, l.down_w, c10::nullopt, ws.down);
+  return {ws.down, residual};
+}
+
+}  // namespace
+
 // Every layer of a one-rank model for a decode-only step, without returning to Python between
 // layers (there is no collective to wait for). x is the first layer's input, already normed
 // when `add_residual` is false (residual then holds the un-normed input). Returns {x, residual}
@@ -103,12 +97,10 @@ std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, 
   if (layers.empty()) return {x, residual};
   Workspace ws = layers[0].workspace(x);
   for (const auto& l : layers) {
-    auto a = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w, l.qkv_b,
-                                   cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping,
-                                   block_tables, context_lens, l.scale, l.kv_index, l.o_w, ws);
+    auto a = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
+                                   block_tables, context_lens, ws);
     if (l.o_b.has_value()) a[0].add_(*l.o_b);
-    auto m = decode_mlp_half(a[0], a[1], l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w,
-                             ws);
+    auto m = decode_mlp_half(l, a[0], a[1], ws);
     if (l.down_b.has_value()) m[0].add_(*l.down_b);
     x = m[0], residual = m[1], add_residual = true;
   }
@@ -152,11 +144,9 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
   for (int64_t i = start; i < halves; ++i) {
     const DecodeLayer& l = layers[i / 2];
     const bool attention = i % 2 == 0;
-    auto half = attention
-        ? decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w, l.qkv_b,
-                                cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping,
-                                block_tables, context_lens, l.scale, l.kv_index, l.o_w, ws)
-        : decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w, ws);
+    auto half = attention ? decode_attention_half(l, x, residual, add_residual, cos, sin,
+                                                  slot_mapping, block_tables, context_lens, ws)
+                          : decode_mlp_half(l, x, residual, ws);
     const int64_t seq = seq0 + (i - start);
     auto [out, res, arrived, dt] =
         collect(half, ShmCollective{buffers[seq & 1], flags, rank, seq, spins});
@@ -199,16 +189,14 @@ void bind_decode_layer(pybind11::module& m) {
            torch::Tensor block_tables, torch::Tensor context_lens,
            c10::optional<ShmCollective> coll) {
           Workspace ws = l.workspace(x, true, false);
-          auto r = decode_attention_half(x, residual, add_residual, l.norm1, l.eps1, l.qkv_w,
-                                         l.qkv_b, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
-                                         slot_mapping, block_tables, context_lens, l.scale,
-                                         l.kv_index, l.o_w, ws);
+          auto r = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
+                                         block_tables, context_lens, ws);
           return collect(r, coll);
         });
   m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual,
                               c10::optional<ShmCollective> coll) {
     Workspace ws = l.workspace(x, false, true);
-    auto r = decode_mlp_half(x, residual, l.norm2, l.eps2, l.gate_up_w, l.gate_up_b, l.down_w, ws);
+    auto r = decode_mlp_half(l, x, residual, ws);
     return collect(r, coll);
   });
 }
