@@ -46,6 +46,32 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
+struct SoftmaxRow {
+  float max, sum;
+};
+
+// Scores s[0, limit) -> exp(s - max) in place, zeros on [limit, n) (n a multiple of 16): the
+// unnormalised probabilities of one row, with its max and sum (decode keeps both to merge
+// splits; prefill divides by the sum).
+inline SoftmaxRow softmax_row(float* s, int64_t limit, int64_t n) {
+  auto mask = [limit](int64_t k) -> __mmask16 {
+    const int64_t left = limit - k;
+    return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
+  };
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t k = 0; k < n; k += 16) m = _mm512_mask_max_ps(m, mask(k), m, _mm512_loadu_ps(s + k));
+  const float mx = _mm512_reduce_max_ps(m);
+  const __m512 mv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 p =
+        _mm512_maskz_mov_ps(mask(k), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + k), mv)));
+    _mm512_storeu_ps(s + k, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return {mx, _mm512_reduce_add_ps(sum)};
+}
+
 // The scaled scores of query q (64 floats) against 16 key rows (kb, `row` floats apart; rows
 // from nc on repeat row nc - 1: the caller masks them): lane j is token j's score.
 inline __m512 scores16(const float* q, const float* kb, int64_t row, int nc, float scale) {
@@ -155,24 +181,10 @@ inline void attend_blocks_d64(const float* qf, const float* kp, const float* vp,
       }
     }
   }
-  // one softmax per head over the task's T scores (probabilities in place)
-  const __mmask16 tail = static_cast<__mmask16>(T % 16 ? (1u << (T % 16)) - 1u : 0xFFFFu);
+  // one softmax per head over the task's T scores (unnormalised probabilities in place)
   for (int64_t h = 0; h < Hq; ++h) {
-    float* s = sc + h * Tp;
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < Tp; t += 16)
-      m = _mm512_mask_max_ps(m, t + 16 <= T ? 0xFFFF : tail, m, _mm512_loadu_ps(s + t));
-    const float mh = _mm512_reduce_max_ps(m);
-    const __m512 mv = _mm512_set1_ps(mh);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < Tp; t += 16) {
-      const __mmask16 k = t + 16 <= T ? 0xFFFF : tail;
-      const __m512 p = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv)));
-      _mm512_storeu_ps(s + t, p);  // zeros past T
-      sum = _mm512_add_ps(sum, p);
-    }
-    mx[h] = mh;
-    den[h] = _mm512_reduce_add_ps(sum);
+    const SoftmaxRow r = softmax_row(sc + h * Tp, T, Tp);
+    mx[h] = r.max, den[h] = r.sum;
   }
   // pass 2: acc += p * V, up to 4 heads of a KV head at a time in registers
   for (int64_t b = 0; b < nblk; ++b) {

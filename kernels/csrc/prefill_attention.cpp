@@ -53,26 +53,6 @@ inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int6
   }
 }
 
-// Row scores [0, limit) -> probabilities (exact softmax), zeros on [limit, n), n a multiple of
-// 16; returns 1 / sum.
-inline float softmax_row(float* s, int64_t limit, int64_t n) {
-  auto mask = [limit](int64_t k) -> __mmask16 {
-    const int64_t left = limit - k;
-    return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
-  };
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t k = 0; k < n; k += 16) m = _mm512_mask_max_ps(m, mask(k), m, _mm512_loadu_ps(s + k));
-  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t k = 0; k < n; k += 16) {
-    const __m512 p = _mm512_maskz_mov_ps(
-        mask(k), avx512::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + k), mv)));
-    _mm512_storeu_ps(s + k, p);
-    sum = _mm512_add_ps(sum, p);
-  }
-  return 1.f / _mm512_reduce_add_ps(sum);
-}
-
 // o[r] += sum over keys [k0, k1) of p[r][k] v[k] for the tile's kRows rows (o in memory: the
 // tile is reloaded per key chunk, while the chunk's V rows stay in L1 for every tile)
 template <int D>
@@ -160,7 +140,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
           score_tile<D>(qrow.data() + tile * kRows, ktk, ldk, k0, (float)scale,
                         srow.data() + tile * kRows);
       std::vector<float> inv(Rp);
-      for (int64_t r = 0; r < Rp; ++r) inv[r] = softmax_row(srow[r], limit[r], npad);
+      for (int64_t r = 0; r < Rp; ++r)
+        inv[r] = 1.f / avx512::softmax_row(srow[r], limit[r], npad).sum;
       for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
         const int64_t k1 = std::min(n, k0 + kKeys);
         for (int64_t k = k0; k < k1; ++k)
