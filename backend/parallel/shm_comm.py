@@ -122,14 +122,7 @@ class ShmCommunicator:
                      collective: tuple) -> torch.Tensor:
         """out is the sum if every rank arrived in the kernel's spins; else this rank's posted
         partial: wait the slow way (yielding, checking the peers live), then sum."""
-        if not arrived:
-            t0 = time.perf_counter()
-            self._wait_all(collective[3])
-            out = self._native.shm_sum(out, collective[0])
-            seconds += time.perf_counter() - t0
-        self.seconds += seconds
-        self.calls += 1
-        return out
+        return self._settle(out, arrived, seconds, collective[3], 1)
 
     def fused_stack(self, numel: int, dtype: torch.dtype) -> tuple | None:
         """(both buffers, flags, rank, next seq, spins) for a C++ kernel that runs several
@@ -144,13 +137,19 @@ class ShmCommunicator:
         """A fused_stack kernel ran `count` all-reduces. If the peers were late for the last one
         (not arrived), out is this rank's posted partial: wait the slow way, then sum."""
         self._seq += count
-        self.calls += count
+        return self._settle(out, arrived, seconds, self._seq, count)
+
+    def _settle(self, out: torch.Tensor, arrived: bool, seconds: float, seq: int,
+                calls: int) -> torch.Tensor:
+        """Accounts `calls` fused all-reduces; the last one (`seq`) is summed here if its peers
+        were late (out: this rank's posted partial)."""
         if not arrived:
             t0 = time.perf_counter()
-            self._wait_all(self._seq)
-            out = self._native.shm_sum(out, self._buffers[self._seq & 1])
+            self._wait_all(seq)
+            out = self._native.shm_sum(out, self._buffers[seq & 1])
             seconds += time.perf_counter() - t0
         self.seconds += seconds
+        self.calls += calls
         return out
 
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
