@@ -42,7 +42,8 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="interleaved rounds: each runs every layout once (default 5)")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/tp-<ts>.json)")
     p.add_argument("--transports", default="shm",

@@ -44,7 +44,7 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client", "bench", "tp", "--tp", "1,2", "--input-len", "24",
-         "--output-len", "3", "--repeats", "1", "--transports", "shm,gloo",
+         "--output-len", "3", "--repeats", "2", "--transports", "shm,gloo",
          "--wait-policy", "passive", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,4 +53,8 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
     assert layouts == [(1, 1, "shm"), (1, 2, "shm"), (2, 1, "shm"), (2, 1, "gloo")]
     tp2 = [r for r in data["results"] if r["tp"] == 2]
     assert all(r["collective_s"]["median"] > 0 for r in tp2)
-    assert "TP2x1 / TP1x1 e2e" in proc.stdout and "(gloo)" in proc.stdout
+    for r in data["results"]:  # interleaved: every layout ran once per round
+        assert sorted(run["round"] for run in r["runs"]) == [0, 1]
+    assert set(data["ratios"]) == {"TP2x1/TP1x1", "TP2x1/TP1x2"}
+    assert all(s["n"] == 2 and s["median"] > 0 for s in data["ratios"].values())
+    assert "TP2x1/TP1x1 e2e, per round" in proc.stdout and "(gloo)" in proc.stdout
