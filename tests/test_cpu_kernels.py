@@ -189,6 +189,24 @@ def test_packed_linear_at_its_row_count_only(bias):
         assert torch.equal(cpu_ops.linear(x, w, b), want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_into_equals_linear(dtype):
+    """linear_into (a row-parallel partial sum computed into its all-reduce slot) gives linear's
+    bits on every path: C++ GEMV rows, GEMM rows, and the packed copy's row count."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 576, generator=g).to(dtype)
+    packed = cpu_ops.SMALL_M + 8
+    if dtype == torch.float32 and cpu_ops._mkl_packing():
+        cpu_ops.pack_linear_weight(w, packed)
+    for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1, packed, 1024):
+        x = torch.randn(m, 576, generator=g).to(dtype)
+        slot = torch.full((m * 300 + 5,), float("nan"), dtype=dtype)  # a larger buffer's prefix
+        out = slot[:m * 300].view(m, 300)
+        got = cpu_ops.linear_into(x, w, out)
+        assert got.data_ptr() == slot.data_ptr() and torch.equal(got, cpu_ops.linear(x, w))
+        assert slot[m * 300:].isnan().all()
+
+
 @pytest.mark.skipif(not cpu_ops._fast_prefill(64), reason="no AVX-512 prefill attention here")
 @pytest.mark.parametrize("tokens, prefix", [(1, 0), (7, 0), (37, 0), (300, 0), (13, 50), (64, 200)])
 @pytest.mark.parametrize("hq, hkv, kv_index", [(9, 3, None), (4, 4, None), (5, 2, [0, 0, 0, 1, 1])])

@@ -136,6 +136,15 @@ def test_biased_layers_tp_late_peers(tmp_path):
         assert [o.token_ids for o in llm.generate(prompts, sp)] == want
 
 
+def _reduce(comm: ShmCommunicator, x: torch.Tensor, i: int) -> torch.Tensor:
+    """Every other all-reduce takes its input computed into reduce_slot (no copy), if offered."""
+    slot = comm.reduce_slot(1, x.numel(), x.dtype) if i % 2 else None
+    if slot is None:
+        return comm.all_reduce(x)
+    slot.copy_(x.view(1, -1))
+    return comm.all_reduce(slot).view(-1)
+
+
 def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):
     comm = ShmCommunicator(name, rank, world, 4 * 5000, torch.float32, create=False)
     if not native:
@@ -143,7 +152,7 @@ def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):
     results = []
     for i, n in enumerate(sizes):
         x = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1000 * i + rank))
-        results.append(comm.all_reduce(x))
+        results.append(_reduce(comm, x, i))
     gathered = comm.gather_first(torch.full((3, rank + 1), float(rank)), [1, 2, 3][:world])
     q.put((rank, [r.numpy() for r in results], gathered is None))
     comm.close()
@@ -189,7 +198,8 @@ def test_message_over_the_slot_goes_through_gloo(tmp_path):
 
 @pytest.mark.parametrize("world, native", [(2, True), (3, True), (3, False), (2, "mixed")])
 def test_shm_all_reduce_equals_sum(world, native):
-    """The C++ path, the torch-op path, and a mix (rank 0 native, the peer not): one protocol."""
+    """The C++ path, the torch-op path, and a mix (rank 0 native, the peer not): one protocol;
+    inputs computed into the slot (reduce_slot) or copied there, alternately."""
     sizes = [1, 7, 576, 4095, 5000, 3, 1000]
     name = f"tpllm_test_{secrets.token_hex(4)}"
     owner = ShmCommunicator(name, 0, world, 4 * 5000, torch.float32, create=True)
@@ -205,8 +215,8 @@ def test_shm_all_reduce_equals_sum(world, native):
     try:
         mine = []
         for i, n in enumerate(sizes):
-            mine.append(owner.all_reduce(torch.randn(n, generator=torch.Generator().manual_seed(
-                7 + 1000 * i))))
+            mine.append(_reduce(owner, torch.randn(n, generator=torch.Generator().manual_seed(
+                7 + 1000 * i)), i))
         gathered = owner.gather_first(torch.zeros(3, 1), [1, 2, 3][:world])
         others = dict((r, (res, none)) for r, res, none in (q.get(timeout=60) for _ in procs))
     finally:

@@ -67,7 +67,12 @@ class RowParallelLinear(DirectModule):
         self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self.ops.linear(x, self.weight))
+        # the partial sum computed straight into the all-reduce's shared-memory slot, if any
+        into = getattr(self.ops, "linear_into", None)
+        slot = (self.ctx.reduce_slot(x.shape[0], self.weight.shape[0], x.dtype)
+                if into is not None and x.dim() == 2 else None)
+        return self.reduce(self.ops.linear(x, self.weight) if slot is None
+                           else into(x, self.weight, slot))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output: all-reduce, then the bias."""

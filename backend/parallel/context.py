@@ -17,8 +17,8 @@ import torch
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
-    # optional (the shared-memory communicator): fused_collective, finish_fused, fused_stack,
-    # stack_done
+    # optional (the shared-memory communicator): reduce_slot, fused_collective, finish_fused,
+    # fused_stack, stack_done
 
 
 @dataclass
@@ -31,6 +31,12 @@ class ParallelContext:
         if self.world_size == 1:
             return x
         return self.comm.all_reduce(x)
+
+    def reduce_slot(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to compute a partial sum ([rows, cols]) that all_reduce() then takes without
+        copying it (the next all-reduce's shared-memory slot), or None: compute it anywhere."""
+        slot = getattr(self.comm, "reduce_slot", None) if self.world_size > 1 else None
+        return None if slot is None else slot(rows, cols, dtype)
 
     def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
         """Arguments for a C++ kernel that does the next all-reduce itself (shared memory), or

@@ -108,6 +108,17 @@ class ShmCommunicator:
         self.calls += 1
         return out
 
+    def reduce_slot(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's slot of the next all-reduce as a [rows, cols] tensor: the caller computes
+        its partial sum into it and passes it to all_reduce next, which then posts it without a
+        copy. None when that all-reduce would not take the native path (size, dtype).
+        Computing into the slot is as safe as all_reduce's own copy into it at the same point:
+        both write this rank's slot before it posts."""
+        n = rows * cols
+        if self._native is None or n > self.slot_elems or dtype != self.dtype:
+            return None
+        return self._buffers[(self._seq + 1) & 1][self.rank, :n].view(rows, cols)
+
     def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
         """The next all-reduce's (slots, flags, rank, seq, spins) for a C++ kernel that posts its
         partial sum and sums every rank's itself (kernels/csrc/decode_layer.cpp: no return to

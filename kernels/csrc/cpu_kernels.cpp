@@ -523,12 +523,13 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
 }
 
 // The shared-memory one-shot all-reduce's hot path (backend/parallel/shm_comm.py): x is copied
-// into this rank's slot of the collective's buffer (`slots` [world, slot_elems]), the rank
-// publishes `seq` in its flag (`flags` int64 [world, 8]: a cache line per rank), spins until
-// every rank has published `seq` (at most max_spins pauses, without the GIL), then sums the
-// slots. Returns None if the peers did not all arrive in time: the caller then waits its slow
-// way (yielding, checking that the peers live) and calls shm_sum. One C++ call instead of
-// several torch ops: each cost up to ~14 us when its code had gone cold between collectives.
+// into this rank's slot of the collective's buffer (`slots` [world, slot_elems]; no copy when x
+// is that slot: computed there by the caller), the rank publishes `seq` in its flag (`flags`
+// int64 [world, 8]: a cache line per rank), spins until every rank has published `seq` (at
+// most max_spins pauses, without the GIL), then sums the slots. Returns None if the peers did
+// not all arrive in time: the caller then waits its slow way (yielding, checking that the peers
+// live) and calls shm_sum. One C++ call instead of several torch ops: each cost up to ~14 us
+// when its code had gone cold between collectives.
 bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,
                          const torch::Tensor& flags, int64_t rank, int64_t seq,
                          int64_t max_spins) {
@@ -546,8 +547,9 @@ bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch
   // the wait without the GIL (called from Python, or from a kernel that released it already)
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (PyGILState_Check()) no_gil.emplace();
-  std::memcpy(static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size(),
-              x.data_ptr(), n * x.element_size());
+  char* mine = static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size();
+  if (mine != x.data_ptr())  // else x was computed in place into this rank's slot
+    std::memcpy(mine, x.data_ptr(), n * x.element_size());
   __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);
   for (int64_t r = 0; r < world && arrived; ++r) {
     int64_t spins = 0;
