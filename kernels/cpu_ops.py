@@ -101,9 +101,15 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     """linear(x, weight) written into `out` (contiguous [rows, N]) and returned: a row-parallel
     layer's partial sum straight into its shared-memory all-reduce slot. For a prefill's GEMM
     this saves the copy into the slot (1024 x 576 float32 took ~370 us: ~22 ms per SmolLM2 TP2
-    prefill); other shapes (GEMV, packed copy) compute as linear() does, then copy."""
-    packed = getattr(weight, "mkl_packed", (None,))[0] == x.shape[0]
-    if x.dim() == 2 and x.shape[0] > SMALL_M and x.dtype == weight.dtype and not packed:
+    prefill), and with the C++ GEMV a decode step's lm_head shard straight into its logits
+    gather slot. Other shapes (bf16 GEMV, packed copy) compute as linear() does, then copy."""
+    if x.dim() != 2 or x.dtype != weight.dtype or not out.is_contiguous():
+        return out.copy_(linear(x, weight))
+    if (x.shape[0] <= SMALL_M and x.dtype == torch.float32 and x.is_contiguous()
+            and weight.is_contiguous()):
+        _ext.small_m_linear_into(x, weight, out)
+        return out
+    if x.shape[0] > SMALL_M and getattr(weight, "mkl_packed", (None,))[0] != x.shape[0]:
         return torch.mm(x, weight.t(), out=out)
     return out.copy_(linear(x, weight))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
+import time
 
 import numpy as np
 import pytest
@@ -153,8 +154,14 @@ def _allreduce_worker(name, rank, world, sizes, seed, q, native=True):
     for i, n in enumerate(sizes):
         x = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1000 * i + rank))
         results.append(_reduce(comm, x, i))
-    gathered = comm.gather_first(torch.full((3, rank + 1), float(rank)), [1, 2, 3][:world])
-    q.put((rank, [r.numpy() for r in results], gathered is None))
+    time.sleep(0.05)  # rank 0 reaches the gather first: its late-peer path
+    part = torch.full((3, rank + 1), float(rank))
+    slot = comm.gather_slot(3, rank + 1, torch.float32) if rank == 1 else None  # rank 2 copies
+    gathered = comm.gather_first(part if slot is None else slot.copy_(part), [1, 2, 3][:world])
+    # the part computed into gather_slot was posted from there (no copy)
+    posted = comm._slots[comm._seq & 1][rank, :3 * (rank + 1)]
+    in_place = slot is None or slot.data_ptr() == posted.data_ptr()
+    q.put((rank, [r.numpy() for r in results], gathered is None and in_place))
     comm.close()
 
 
@@ -217,8 +224,12 @@ def test_shm_all_reduce_equals_sum(world, native):
         for i, n in enumerate(sizes):
             mine.append(_reduce(owner, torch.randn(n, generator=torch.Generator().manual_seed(
                 7 + 1000 * i)), i))
+        owner._native_spins, waits = 0, []
+        wait_all = owner._wait_all
+        owner._wait_all = lambda seq: waits.append(seq) or wait_all(seq)
         gathered = owner.gather_first(torch.zeros(3, 1), [1, 2, 3][:world])
-        others = dict((r, (res, none)) for r, res, none in (q.get(timeout=60) for _ in procs))
+        assert waits  # the peers were late: rank 0 waited the Python way
+        others = dict((r, (res, ok)) for r, res, ok in (q.get(timeout=60) for _ in procs))
     finally:
         for p in procs:
             p.join(30)
@@ -229,7 +240,7 @@ def test_shm_all_reduce_equals_sum(world, native):
         torch.testing.assert_close(mine[i], expect, rtol=1e-6, atol=1e-6)
         for r in range(1, world):  # bit-identical on every rank
             assert np.array_equal(others[r][0][i], mine[i].numpy())
-    assert all(none for _, none in others.values())
+    assert all(ok for _, ok in others.values())  # no gathered result off rank 0; in place
     expect_g = torch.cat([torch.full((3, r + 1), float(r)) for r in range(world)], dim=1)
     assert torch.equal(gathered, expect_g)
 

@@ -123,7 +123,12 @@ class ParallelLMHead(DirectModule):
             self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.ctx.gather_first(self.ops.linear(x, self.weight), self.shard_sizes)
+        # this rank's shard computed straight into its gather slot, if any
+        into = getattr(self.ops, "linear_into", None)
+        slot = (self.ctx.gather_slot(x.shape[0], self.weight.shape[0], x.dtype)
+                if into is not None and x.dim() == 2 else None)
+        local = self.ops.linear(x, self.weight) if slot is None else into(x, self.weight, slot)
+        logits = self.ctx.gather_first(local, self.shard_sizes)
         return None if logits is None else logits.float()
 
 

@@ -17,8 +17,8 @@ import torch
 class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None: ...
-    # optional (the shared-memory communicator): reduce_slot, fused_collective, finish_fused,
-    # fused_stack, stack_done
+    # optional (the shared-memory communicator): reduce_slot, gather_slot, fused_collective,
+    # finish_fused, fused_stack, stack_done
 
 
 @dataclass
@@ -57,6 +57,12 @@ class ParallelContext:
     def stack_done(self, out: torch.Tensor, count: int, arrived: bool,
                    seconds: float) -> torch.Tensor:
         return self.comm.stack_done(out, count, arrived, seconds)
+
+    def gather_slot(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to compute this rank's [rows, cols] part of the next gather_first so that it
+        is posted without a copy (its shared-memory slot), or None: compute it anywhere."""
+        slot = getattr(self.comm, "gather_slot", None) if self.world_size > 1 else None
+        return None if slot is None else slot(rows, cols, dtype)
 
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate every rank's [rows, sizes[rank]] along the last dim, on rank 0 only

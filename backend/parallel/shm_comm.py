@@ -163,24 +163,45 @@ class ShmCommunicator:
         self.calls += calls
         return out
 
+    def gather_slot(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's slot of the next gather_first as [rows, cols], to compute x into (then
+        gather_first posts it without a copy); None on rank 0, whose part is never posted, or
+        when the gather would not fit."""
+        if self.rank == 0 or rows * cols > self.slot_elems or dtype != self.dtype:
+            return None
+        return self._slots[(self._seq + 1) & 1][self.rank, :rows * cols].view(rows, cols)
+
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        """Concatenate each rank's x ([rows, sizes[rank]]) along the last dim, on rank 0 only."""
+        """Concatenate each rank's x ([rows, sizes[rank]]) along the last dim, on rank 0 only.
+        Rank 0 only publishes its flag: its own part goes into the result from x directly."""
         t0 = time.perf_counter()
         rows = x.shape[0]
         if rows * max(sizes) > self.slot_elems or x.dtype != self.dtype:
             raise ValueError(f"gather of {rows}x{max(sizes)} exceeds the shared-memory slot")
-        slots, _ = self._post(x, wait=self.rank == 0)
         out = None
-        if self.rank == 0:
-            out = torch.cat([slots[r, :rows * s].view(rows, s) for r, s in enumerate(sizes)], dim=1)
+        if self.rank == 0 and self._native is not None and x.is_contiguous():
+            self._seq += 1
+            seq, buf = self._seq, self._buffers[self._seq & 1]
+            out = self._native.shm_gather_first(x, buf, self._flags_t, seq, self._native_spins,
+                                                sizes)
+            if out is None:  # a peer is late: wait the yielding, liveness-checking way
+                self._wait_all(seq)
+                out = self._native.shm_gather_first(x, buf, self._flags_t, seq, 0, sizes)
+        else:
+            slots, _ = self._post(x, wait=self.rank == 0, copy=self.rank != 0)
+            if self.rank == 0:
+                out = torch.cat([x] + [slots[r, :rows * s].view(rows, s)
+                                       for r, s in enumerate(sizes) if r > 0], dim=1)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
 
-    def _post(self, x: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Publish x as collective `seq`; returns (the buffer's slots, every rank's first
-        x.numel() elements). The views are cached per (buffer, size): a decode step repeats a
-        handful of sizes, and building views costs more than the copy."""
+    def _post(self, x: torch.Tensor, wait: bool = True,
+              copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Publish x as collective `seq` (copied into this rank's slot unless it is that slot
+        already, or `copy` is false); returns (the buffer's slots, every rank's first x.numel()
+        elements). The views are cached per (buffer, size): a decode step repeats a handful of
+        sizes, and building views costs more than the copy."""
         self._seq += 1
         seq = self._seq
         n = x.numel()
@@ -188,7 +209,8 @@ class ShmCommunicator:
         if views is None:
             slots = self._slots[seq & 1]
             views = self._views[(seq & 1, n)] = (slots, slots[:, :n], slots[self.rank, :n])
-        views[2].copy_(x.reshape(-1))
+        if copy and x.data_ptr() != views[2].data_ptr():
+            views[2].copy_(x.reshape(-1))
         self._flags[self.rank, 0] = seq
         if wait:
             self._wait_all(seq)
