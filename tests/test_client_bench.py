@@ -58,3 +58,23 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
     assert set(data["ratios"]) == {"TP2x1/TP1x1", "TP2x1/TP1x2"}
     assert all(s["n"] == 2 and s["median"] > 0 for s in data["ratios"].values())
     assert "TP2x1/TP1x1 e2e, per round" in proc.stdout and "(gloo)" in proc.stdout
+
+
+def test_paired_ratios_pair_each_round() -> None:
+    """Ratios are taken round by round (each layout's median over that round's requests), over
+    shared-memory layouts only, and only for pairs whose layouts both ran."""
+    from client.bench_layouts import Layout, paired_ratios
+
+    def result(tp, threads, e2e_by_round, transport="shm"):
+        runs = [{"round": r, "e2e_s": v} for r, vals in e2e_by_round.items() for v in vals]
+        return Layout(tp, threads, transport).result(runs)
+
+    results = [result(1, 1, {0: [10.0], 1: [20.0]}),
+               result(1, 2, {0: [8.0], 1: [16.0]}),
+               result(2, 1, {0: [5.0, 7.0], 1: [12.0]}),  # round 0: median of its 2 requests
+               result(2, 1, {0: [100.0], 1: [100.0]}, transport="gloo")]
+    ratios = paired_ratios(results, "e2e_s")
+    assert set(ratios) == {"TP2x1/TP1x1", "TP2x1/TP1x2"}
+    assert ratios["TP2x1/TP1x1"]["min"] == 0.6 and ratios["TP2x1/TP1x1"]["max"] == 0.6
+    assert ratios["TP2x1/TP1x2"]["median"] == (6 / 8 + 12 / 16) / 2 and ratios["TP2x1/TP1x2"]["n"] == 2
+    assert paired_ratios(results[:2], "e2e_s") == {}
