@@ -89,7 +89,8 @@ def ratio_text(ratios: dict) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     tps = [int(t) for t in args.tp.split(",")]
     layouts = _layouts(tps, args.threads_per_rank, args.transports.split(","))
-    info = bu.run_info(args.threads, args.dtype, str(args.model or "embedded default"))
+    # threads: each layout's own (TP x threads per rank in its label)
+    info = bu.run_info("per layout", args.dtype, str(args.model or "embedded default"))
     runners = [OfflineLayout(layout, args, run_offline) for layout in layouts]
     results = interleave(runners, args.repeats)
     ratios = paired_ratios(results, "e2e_s")

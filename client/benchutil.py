@@ -87,7 +87,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_info(threads: int, dtype: str, model_dir: str) -> dict[str, Any]:
+def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "dtype": dtype,
