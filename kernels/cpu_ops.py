@@ -82,8 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Decode steps: the C++ kernel reads each weight once at ~26 GB/s where MKL reached ~22
     # (2 threads; SmolLM2's 121 GEMVs 19.5 vs 22.6 ms; 1 thread 37.9 vs 40.7; M = 4..32 rows
     # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still.
-    if (x.dim() == 2 and x.shape[0] <= SMALL_M and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()):
+    if _small_m_f32(x, weight):
         return _ext.small_m_linear(x, weight, bias)
     # bf16 decode of 1-2 rows: AVX512-BF16 dot products over each weight row read once
     # (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer GEMVs, 2 threads: 12.6 vs oneDNN's 21.5 ms at
@@ -91,10 +90,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (_BF16_GEMV and x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()):
         return _ext.small_m_linear_bf16(x, weight, bias)
-    packed = getattr(weight, "mkl_packed", None)
-    if packed is not None and x.dim() == 2 and x.shape[0] == packed[0] and x.dtype == torch.float32:
+    if (packed := _packed_copy(x, weight)) is not None:
         return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
     return F.linear(x, weight, bias)
+
+
+def _small_m_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the C++ float32 GEMV takes x @ weight^T (linear and linear_into)."""
+    return (x.dim() == 2 and x.shape[0] <= SMALL_M and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+
+
+def _packed_copy(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+    """weight's MKL-packed copy (rows, packed) if x has exactly the rows it was packed for."""
+    packed = getattr(weight, "mkl_packed", None)
+    if packed is not None and x.dim() == 2 and x.shape[0] == packed[0] and x.dtype == torch.float32:
+        return packed
+    return None
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -103,14 +115,12 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     this saves the copy into the slot (1024 x 576 float32 took ~370 us: ~22 ms per SmolLM2 TP2
     prefill), and with the C++ GEMV a decode step's lm_head shard straight into its logits
     gather slot. Other shapes (bf16 GEMV, packed copy) compute as linear() does, then copy."""
-    if x.dim() != 2 or x.dtype != weight.dtype or not out.is_contiguous():
-        return out.copy_(linear(x, weight))
-    if (x.shape[0] <= SMALL_M and x.dtype == torch.float32 and x.is_contiguous()
-            and weight.is_contiguous()):
-        _ext.small_m_linear_into(x, weight, out)
-        return out
-    if x.shape[0] > SMALL_M and getattr(weight, "mkl_packed", (None,))[0] != x.shape[0]:
-        return torch.mm(x, weight.t(), out=out)
+    if out.is_contiguous() and x.dtype == weight.dtype:
+        if _small_m_f32(x, weight):
+            _ext.small_m_linear_into(x, weight, out)
+            return out
+        if x.dim() == 2 and x.shape[0] > SMALL_M and _packed_copy(x, weight) is None:
+            return torch.mm(x, weight.t(), out=out)
     return out.copy_(linear(x, weight))
 
 

@@ -6,6 +6,7 @@ The loader reads only those slices, so a rank never materialises another rank's 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -33,6 +34,16 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, shards: ShardMap) -> nn.P
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shards = shards  # type: ignore[attr-defined]
     return p
+
+
+def _linear_for(ops: ModuleType, x: torch.Tensor, weight: torch.Tensor,
+                slot: Callable[[int, int, torch.dtype], torch.Tensor | None]) -> torch.Tensor:
+    """x @ weight^T for a collective: computed straight into the slot `slot(rows, cols, dtype)`
+    offers (shared memory the collective then posts without a copy) when the kernels can write
+    into one (ops.linear_into) and it does, else anywhere."""
+    into = getattr(ops, "linear_into", None)
+    out = slot(x.shape[0], weight.shape[0], x.dtype) if into is not None and x.dim() == 2 else None
+    return ops.linear(x, weight) if out is None else into(x, weight, out)
 
 
 class ColumnParallelLinear(DirectModule):
@@ -67,12 +78,7 @@ class RowParallelLinear(DirectModule):
         self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the partial sum computed straight into the all-reduce's shared-memory slot, if any
-        into = getattr(self.ops, "linear_into", None)
-        slot = (self.ctx.reduce_slot(x.shape[0], self.weight.shape[0], x.dtype)
-                if into is not None and x.dim() == 2 else None)
-        return self.reduce(self.ops.linear(x, self.weight) if slot is None
-                           else into(x, self.weight, slot))
+        return self.reduce(_linear_for(self.ops, x, self.weight, self.ctx.reduce_slot))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output: all-reduce, then the bias."""
@@ -123,11 +129,7 @@ class ParallelLMHead(DirectModule):
             self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        # this rank's shard computed straight into its gather slot, if any
-        into = getattr(self.ops, "linear_into", None)
-        slot = (self.ctx.gather_slot(x.shape[0], self.weight.shape[0], x.dtype)
-                if into is not None and x.dim() == 2 else None)
-        local = self.ops.linear(x, self.weight) if slot is None else into(x, self.weight, slot)
+        local = _linear_for(self.ops, x, self.weight, self.ctx.gather_slot)
         logits = self.ctx.gather_first(local, self.shard_sizes)
         return None if logits is None else logits.float()
 

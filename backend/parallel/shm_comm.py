@@ -114,10 +114,9 @@ class ShmCommunicator:
         copy. None when that all-reduce would not take the native path (size, dtype).
         Computing into the slot is as safe as all_reduce's own copy into it at the same point:
         both write this rank's slot before it posts."""
-        n = rows * cols
-        if self._native is None or n > self.slot_elems or dtype != self.dtype:
+        if self._native is None or rows * cols > self.slot_elems or dtype != self.dtype:
             return None
-        return self._buffers[(self._seq + 1) & 1][self.rank, :n].view(rows, cols)
+        return self._next_slot(rows, cols)
 
     def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
         """The next all-reduce's (slots, flags, rank, seq, spins) for a C++ kernel that posts its
@@ -169,7 +168,11 @@ class ShmCommunicator:
         when the gather would not fit."""
         if self.rank == 0 or rows * cols > self.slot_elems or dtype != self.dtype:
             return None
-        return self._slots[(self._seq + 1) & 1][self.rank, :rows * cols].view(rows, cols)
+        return self._next_slot(rows, cols)
+
+    def _next_slot(self, rows: int, cols: int) -> torch.Tensor:
+        """This rank's slot in the buffer the next collective (seq + 1) uses, as [rows, cols]."""
+        return self._buffers[(self._seq + 1) & 1][self.rank, :rows * cols].view(rows, cols)
 
     def gather_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Concatenate each rank's x ([rows, sizes[rank]]) along the last dim, on rank 0 only.

@@ -406,6 +406,21 @@ inline void cpu_relax() {
 #endif
 }
 
+// Publishes `seq` in this rank's flag (flags: `line` int64s per rank), then spins until every
+// rank has published it, at most max_spins pauses per rank; false if one had not by then.
+inline bool publish_and_wait(int64_t* flags, int64_t line, int64_t world, int64_t rank,
+                             int64_t seq, int64_t max_spins) {
+  __atomic_store_n(flags + rank * line, seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < world; ++r) {
+    int64_t spins = 0;
+    while (__atomic_load_n(flags + r * line, __ATOMIC_ACQUIRE) < seq) {
+      if (++spins > max_spins) return false;
+      cpu_relax();
+    }
+  }
+  return true;
+}
+
 template <typename T>
 void sum_slots(const T* slots, int64_t world, int64_t stride, int64_t n, T* out) {
   // every rank adds the slots in rank order, in fp32: bit-identical results on every rank
@@ -541,26 +556,14 @@ bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch
                   out.numel() == x.numel() && out.scalar_type() == x.scalar_type(),
               "shm_all_reduce: contiguous x within the slot, matching dtypes");
   const int64_t world = slots.size(0), n = x.numel(), stride = slots.size(1);
-  const int64_t line = flags.size(1);
-  int64_t* fp = flags.data_ptr<int64_t>();
-  bool arrived = true;
   // the wait without the GIL (called from Python, or from a kernel that released it already)
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (PyGILState_Check()) no_gil.emplace();
   char* mine = static_cast<char*>(slots.data_ptr()) + rank * stride * x.element_size();
   if (mine != x.data_ptr())  // else x was computed in place into this rank's slot
     std::memcpy(mine, x.data_ptr(), n * x.element_size());
-  __atomic_store_n(fp + rank * line, seq, __ATOMIC_RELEASE);
-  for (int64_t r = 0; r < world && arrived; ++r) {
-    int64_t spins = 0;
-    while (__atomic_load_n(fp + r * line, __ATOMIC_ACQUIRE) < seq) {
-      if (++spins > max_spins) {
-        arrived = false;
-        break;
-      }
-      cpu_relax();
-    }
-  }
+  const bool arrived =
+      publish_and_wait(flags.data_ptr<int64_t>(), flags.size(1), world, rank, seq, max_spins);
   if (arrived) sum_slots_into(slots, out);  // reads only the slots: out may be x itself
   return arrived;
 }
@@ -597,23 +600,16 @@ c10::optional<torch::Tensor> shm_gather_first(const torch::Tensor& x, const torc
                   flags.dim() == 2 && flags.size(0) == slots.size(0) &&
                   static_cast<int64_t>(sizes.size()) == slots.size(0) && x.size(1) == sizes[0],
               "shm_gather_first: x [rows, sizes[0]], one size per rank's slot");
-  const int64_t world = slots.size(0), rows = x.size(0), line = flags.size(1);
+  const int64_t world = slots.size(0), rows = x.size(0);
   int64_t total = 0;
   for (int64_t s : sizes) {
     TORCH_CHECK(rows * s <= slots.size(1), "shm_gather_first: a part exceeds its slot");
     total += s;
   }
-  int64_t* fp = flags.data_ptr<int64_t>();
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (PyGILState_Check()) no_gil.emplace();
-  __atomic_store_n(fp, seq, __ATOMIC_RELEASE);
-  for (int64_t r = 1; r < world; ++r) {
-    int64_t spins = 0;
-    while (__atomic_load_n(fp + r * line, __ATOMIC_ACQUIRE) < seq) {
-      if (++spins > max_spins) return c10::nullopt;
-      cpu_relax();
-    }
-  }
+  if (!publish_and_wait(flags.data_ptr<int64_t>(), flags.size(1), world, 0, seq, max_spins))
+    return c10::nullopt;
   auto out = torch::empty({rows, total}, x.options());
   const int64_t es = x.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
