@@ -21,6 +21,7 @@ from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.group import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
 from backend.parallel.shm_comm import PeerLostError, ranks_outnumber_cores
+from backend.process_exit import exit_now
 
 log = logging.getLogger("backend.parallel")
 NEXT_STEP_SPIN_S = 0.005  # covers rank 0's between-step work (sampling, scheduling)
@@ -67,7 +68,7 @@ def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
         runner = _build_rank(spec, parent_pid)
     except BaseException as e:  # report, don't hang rank 0
         conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
+        exit_now(0)  # as a finished rank: a node launcher must not restart it
     conn.send(("ready", None))
     spin_s = 0.0 if ranks_outnumber_cores(spec.world) else NEXT_STEP_SPIN_S
     while True:
@@ -87,4 +88,7 @@ def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
             break
         except Exception:
             log.exception("step failed; this worker exits and rank 0 fails the step")
-            os._exit(1)
+            exit_now(1)
+    # Rank 0 joins this process (on a server shutdown, inside tritonserver's exit timeout):
+    # leave without the interpreter's seconds-long teardown (backend/process_exit.py).
+    exit_now(0)

@@ -23,6 +23,7 @@ from backend.triton.placement import (compute_placement, count_visible_gpus,
                                       cuda_visible_devices, engine_device)
 from backend.triton.request import ALL_INPUTS, check_prompt_size, parse_request, render_chat
 from backend.triton.response import StreamState
+from backend.process_exit import exit_now
 from backend.triton.shutdown import grace_seconds, watch_signals
 
 log = logging.getLogger("backend.triton")
@@ -91,6 +92,10 @@ class TritonLLMModel:
         self._ids = itertools.count()
         self._prefix = f"{instance}-{os.getpid()}"
         self._stopping = False
+        self._teardown_lock = threading.Lock()
+        self._torn_down = False
+        # Only the real stub embeds c_python_backend_utils; elsewhere (tests) finalize() returns.
+        self._in_stub = "c_python_backend_utils" in sys.modules
         watch_signals(self._on_signal)
         log.info("%s ready in %.1fs (%s; pid %d, engine thread %s, response thread %s)", name,
                  time.perf_counter() - t0, placement.describe(), os.getpid(),
@@ -155,9 +160,15 @@ class TritonLLMModel:
         self.responder.send_error(sender, message, getattr(self.pb.TritonError, "INVALID_ARG", None))
 
     # ---- unload -------------------------------------------------------------------------------
+    # The unload has a deadline: tritonserver's --exit-timeout-secs counts from the signal until
+    # the stub process has exited. After our last stream ends, the Python backend sleeps 1 s (its
+    # stub health check) before it calls finalize(), then waits for the stub to exit. So the
+    # engine is torn down as soon as the streams have ended (overlapping that sleep), and the
+    # stub leaves without the interpreter's teardown (backend/process_exit.py).
     def _on_signal(self, signum: int) -> None:
         """The server is stopping: refuse new requests, let in-flight ones finish for the grace
-        period, then end them with an error, so Triton can unload the model (-> finalize)."""
+        period, end the rest with an error, so Triton can unload the model (-> finalize), and
+        tear the engine down meanwhile."""
         if self._stopping:
             return
         self._stopping = True
@@ -172,17 +183,32 @@ class TritonLLMModel:
             n = self.responder.abort_all("request aborted: the server is shutting down")
             if n:
                 log.info("aborted %d request(s) still in flight", n)
+            self._teardown()
         threading.Thread(target=drain, name="drain", daemon=True).start()
 
+    def _teardown(self) -> None:
+        """Stop the engine thread (in-flight requests get a final error), the response thread
+        and the tensor-parallel workers. Idempotent; a second caller waits for the first."""
+        with self._teardown_lock:
+            if self._torn_down:
+                return
+            self._stopping = True
+            log.info("unloading: %d request(s) in flight", len(self.responder.active))
+            self.engine.shutdown()  # in-flight requests get a final 'abort' output with an error
+            self.responder.stop()
+            self.llm.close()  # tensor-parallel workers
+            _stop_resource_tracker()
+            self._torn_down = True
+            log.info("unloaded; %s", self.responder.delivery_summary())
+
     def finalize(self) -> None:
-        self._stopping = True
-        n = len(self.responder.active)
-        log.info("unloading: %d request(s) in flight", n)
-        self.engine.shutdown()  # in-flight requests get a final 'abort' output with an error
-        self.responder.stop()
-        self.llm.close()  # tensor-parallel workers
-        _stop_resource_tracker()
-        log.info("unloaded; %s", self.responder.delivery_summary())
+        self._teardown()
+        if self._in_stub:
+            # The stub acknowledged finalize before calling it; the Python backend now only waits
+            # for the process to exit, within tritonserver's exit timeout. Everything that
+            # outlives the process was released above (workers reaped, shared memory unlinked,
+            # resource tracker stopped); the parent unlinks the stub's own region.
+            exit_now(0)
 
 
 def _stop_resource_tracker() -> None:
