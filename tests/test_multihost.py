@@ -20,7 +20,8 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.config import EngineConfig
-from backend.parallel.node import RankListener, join, parse_ranks, resolve_authkey
+from backend.parallel.channel import RankListener, join, resolve_authkey
+from backend.parallel.node import parse_ranks
 from tests.tiny_models import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -181,7 +181,7 @@ def test_message_over_the_slot_goes_through_gloo(tmp_path):
     """The shm communicator's fallback (a gloo group formed at the first oversized message)."""
     from dataclasses import replace
 
-    from backend.parallel.group import WorkerSpec
+    from backend.parallel.spec import WorkerSpec
     name = f"tpllm_test_{secrets.token_hex(4)}"
     owner = ShmCommunicator(name, 0, 2, 256, torch.float32, create=True)
     base = WorkerSpec(rank=0, world=2, store_path=str(tmp_path / "store"), shm_name=name,

@@ -24,61 +24,21 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 from multiprocessing.connection import Connection
 
 import torch
 
+from backend.parallel.channel import RankListener, resolve_authkey
 from backend.parallel.comm_select import connect, local_segment, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.shm_comm import PeerLostError
+from backend.parallel.spec import REJOIN, STARTUP_TIMEOUT_S, WorkerSpec, python_executable
 
 log = logging.getLogger("backend.parallel")
-STARTUP_TIMEOUT_S = 600.0
-REJOIN = "rejoin"  # close() before a rebuild tells remote ranks to join the next group...
-REJOIN_EXIT = 3  # ...and they exit with this code, so that their launcher starts them again
-
-
-@dataclass
-class WorkerSpec:
-    """Everything a worker needs to build its rank (picklable)."""
-    rank: int
-    world: int
-    store_path: str  # the FileStore rendezvous file
-    shm_name: str
-    slot_bytes: int
-    model_dir: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    num_threads: int | None
-    cpu: int | None  # core to pin to, or None
-    # GPU path (comm_select.py): rank r on the r-th GPU from `device`; decode CUDA graphs
-    device: str = "cpu"
-    cuda_graphs: bool = False
-    decode_sizes: tuple[int, ...] = ()
-    packed_rows: int = 0  # CPU: linears keep a packed weight copy for batches of this many rows
-    # multi-host: rank 0's TCP store instead of the file store, gloo for every collective
-    master_addr: str = ""
-    master_port: int = 0
-    gloo_host: str = ""  # the address this rank's gloo sockets bind to ("": torch's default)
-    collective_timeout_s: float = 0.0  # > 0: a collective waiting longer fails
-
-
-def python_executable() -> str:
-    """The interpreter for workers. Inside Triton's Python-backend stub sys.executable is the stub
-    itself, so prefer $TPLLM_PYTHON, then a real python, then the environment's bin/python3."""
-    exe = os.environ.get("TPLLM_PYTHON") or sys.executable
-    if exe and Path(exe).name.startswith("python") and Path(exe).exists():
-        return exe
-    fallback = Path(sys.prefix) / "bin" / "python3"
-    return str(fallback if fallback.exists() else exe)
 
 
 class TPGroup:
@@ -90,7 +50,6 @@ class TPGroup:
         self.local_ranks = local_ranks or spec.world
         self._authkey = b""
         if self.local_ranks < self.world:
-            from backend.parallel.node import resolve_authkey
             self._authkey = resolve_authkey(create=True)
         self.ctx = ParallelContext(0, spec.world, None)  # the model keeps this object for good
         self.closed = True
@@ -121,7 +80,7 @@ class TPGroup:
         self._store = rendezvous_store(base, timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
-        from backend.parallel.worker import worker_main
+        from backend.parallel.worker import worker_main  # here: it pulls in the model and engine
         for rank in range(1, self.local_ranks):
             parent, child = ctx.Pipe()
             spec = replace(base, rank=rank,
@@ -140,7 +99,6 @@ class TPGroup:
     def _accept_remote(self, base: WorkerSpec) -> None:
         """Wait until ranks local_ranks..N-1 have joined from their hosts; send each its spec.
         The step port is open only meanwhile."""
-        from backend.parallel.node import RankListener
         addr, port = base.master_addr, base.master_port
         self._listener = RankListener(addr, port + 1, self._authkey)
         waiting = set(range(self.local_ranks, self.world))

@@ -19,7 +19,7 @@ from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
-from backend.parallel.group import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
+from backend.parallel.spec import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
 from backend.parallel.shm_comm import PeerLostError, ranks_outnumber_cores
 
 log = logging.getLogger("backend.parallel")
