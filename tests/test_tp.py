@@ -313,6 +313,27 @@ def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
     assert set(mp.active_children()) - children_before == set()
 
 
+def test_unguarded_script_start_names_the_main_guard(tmp_path):
+    """A script that starts LLM(tensor_parallel_size=2) at top level, without
+    `if __name__ == "__main__":`: each spawned worker re-imports it and dies bootstrapping. The
+    start-up error says so (before: only "rank 1 exited during start-up (exit code 1)")."""
+    import subprocess
+    import sys
+
+    make_tiny_checkpoint("llama", tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text("from backend import LLM\n"
+                      f"llm = LLM(model={str(tmp_path / 'model')!r}, tensor_parallel_size=2, "
+                      "num_kv_blocks=16, warmup=False)\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "tensor-parallel rank 1 exited during start-up" in last, run.stderr[-3000:]
+    assert f"re-imports the main script ({script})" in last
+    assert 'if __name__ == "__main__":' in last
+
+
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])
 def test_worker_waits_for_the_next_step_polling_or_blocking(spin_s):
     """A worker polls for the next step for a while, then blocks: either way it gets the message

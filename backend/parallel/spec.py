@@ -11,6 +11,9 @@ from pathlib import Path
 STARTUP_TIMEOUT_S = 600.0
 REJOIN = "rejoin"  # close() before a rebuild tells remote ranks to join the next group...
 REJOIN_EXIT = 3  # ...and they exit with this code, so that their launcher starts them again
+# A worker's first message, before any of its own work: a worker that dies without sending it
+# died while its process was bootstrapping (spawn re-imports the parent's __main__ first).
+STARTED = "started"
 
 
 @dataclass
