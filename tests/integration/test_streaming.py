@@ -133,5 +133,7 @@ def test_cumulative_logprob_on_request(server, offline, hf_smollm):
 
 
 def test_nothing_cold_after_ready(server):
-    """Warmup ran every step shape before READY: the streams above hit none for the first time."""
+    """Warmup ran every step shape before READY: the streams above hit none for the first time.
+    (metric() raises for a series that is not exported; without warmup the same series counts:
+    test_kv_pressure.)"""
     assert server.metric("llm_cold_path_events_total") == 0
