@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from backend import LLM, AsyncEngine, SamplingParams
+from tests.required import no_cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
     model = llm.engine.runner.model
     if not model.fused_decode:
-        pytest.skip("C++ CPU kernels not built here")
+        no_cpu_kernels()
     from kernels import cpu_ops
     calls = []
     for name in ("decode_stack", "decode_attention_half"):

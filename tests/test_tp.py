@@ -16,6 +16,7 @@ from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import build_step_inputs
 from backend.parallel.shm_comm import ShmCommunicator
 from tests.conftest import SMALL_ENGINE
+from tests.required import no_cpu_kernels
 from tests.test_model_fidelity import SMOL_PROMPTS
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -87,7 +88,7 @@ def test_fused_decode_collectives_late_peer_path(stack, default_model_dir, tp1_r
     try:
         comm = llm.engine.group.comm
         if comm._native is None:
-            pytest.skip("C++ CPU kernels not built here")
+            no_cpu_kernels()
         comm._native_spins = 0
         late = []
         if stack:
