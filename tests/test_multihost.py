@@ -248,9 +248,9 @@ def _lines(stream) -> queue.Queue:
 @pytest.mark.slow
 def test_tp_across_two_hosts(two_hosts, tmp_path):
     """TP 3 with ranks 0-1 on "host" A and rank 2 on "host" B (gloo over the veth pair, or
-    between two loopback addresses): TP 1's tokens; a killed remote rank fails the step at once (not at a timeout) and the group is
-    rebuilt with the rank restarted by its launcher; a killed local rank makes the remote one
-    rejoin; after close nothing is left."""
+    between two loopback addresses): TP 1's tokens; a killed remote rank fails the step at once
+    (not at a timeout) and the group is rebuilt with the rank restarted by its launcher; a killed
+    local rank makes the remote one rejoin; after close nothing is left."""
     hosts = two_hosts
     model = make_tiny_checkpoint("qwen2", tmp_path / "model", num_heads=6, num_kv_heads=2)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
