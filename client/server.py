@@ -108,21 +108,37 @@ class Server:
                 out[key] = float(value)
         return out
 
-    def metric(self, name: str, **labels) -> float:
-        """Sum of `name` over the series matching `labels`."""
-        total = 0.0
+    def metric(self, name: str, default: float | None = None, **labels) -> float:
+        """Sum of `name` over the series matching `labels`. No such series raises KeyError (a
+        renamed or never-exported metric must not read as 0), unless a `default` is given: for
+        series that appear at their first event (llm_requests_total per finish_reason)."""
+        total, found = 0.0, False
         for key, v in self.metrics().items():
             base, _, lab = key.partition("{")
             if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
                 total += v
+                found = True
+        if not found:
+            if default is None:
+                raise KeyError(f"no metric series {name}{labels or ''} exported")
+            return default
         return total
 
     def wait_metric(self, name: str, pred, timeout: float = 10.0, **labels) -> float:
+        """The metric's value once `pred` holds for it, or at the timeout (a series that does
+        not exist yet counts as not yet; still none at the timeout raises KeyError)."""
         deadline = time.monotonic() + timeout
         while True:
-            v = self.metric(name, **labels)
-            if pred(v) or time.monotonic() > deadline:
-                return v
+            try:
+                v = self.metric(name, **labels)
+                if pred(v):
+                    return v
+            except KeyError:
+                if time.monotonic() > deadline:
+                    raise
+            else:
+                if time.monotonic() > deadline:
+                    return v
             time.sleep(0.1)
 
     def group_alive(self) -> list[int]:

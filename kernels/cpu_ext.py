@@ -3,7 +3,8 @@
 The build is cached under the project cache dir, keyed by the source, torch version and CPU
 flags, so it happens at `make setup` (python -m kernels.cpu_ext) or the first start, never per
 process. Without a compiler the engine keeps the torch reference path and says so.
-Set TPLLM_CPU_KERNELS=0 to force the reference path.
+Set TPLLM_CPU_KERNELS=0 to force the reference path; TPLLM_REQUIRE_CPU_KERNELS=1 (`make test`)
+turns a failed build into an error instead of the fallback.
 """
 from __future__ import annotations
 
@@ -66,8 +67,11 @@ def load():
                                   build_directory=str(build_dir),
                                   verbose=False)
     except Exception as e:  # no compiler / headers: the torch path still works
-        log.warning("C++ CPU kernels unavailable (%s); using the torch reference path",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if os.environ.get("TPLLM_REQUIRE_CPU_KERNELS") == "1":  # `make test`/CI: no silent fallback
+            raise RuntimeError(f"C++ CPU kernels failed to build ({reason}) and "
+                               "TPLLM_REQUIRE_CPU_KERNELS=1") from e
+        log.warning("C++ CPU kernels unavailable (%s); using the torch reference path", reason)
         return None
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_ops
 from kernels import reference as ref
 from kernels.metadata import DecodeBatch, PrefillChunk
+from tests.required import no_cpu_kernels
 
-cpu_ops = pytest.importorskip("kernels.cpu_ops")
-pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="C++ CPU kernels not built here")
+if not cpu_ops.AVAILABLE:
+    no_cpu_kernels(allow_module_level=True)
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 storage: the kernels compute in fp32 and round once, the reference rounds per op; allow a
 # couple of bf16 steps (2^-8 relative) between them.

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from backend import LLM, AsyncEngine, SamplingParams
+from tests.required import no_cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,22 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(forced.token_ids) >= first + 2
 
 
-def test_logprobs_accumulate(llm):
-    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4, logprobs=True,
-                                            ignore_eos=True))[0]
-    assert out.cumulative_logprob is not None and out.cumulative_logprob <= 0.0
+def test_logprobs_accumulate(llm, tiny_text_model):
+    """cumulative_logprob is the sum of log_softmax(logits)[token] over the output, greedy or
+    sampled (raw: before temperature), as transformers computes it on the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_model_fidelity import hf_output_logprob
+    hf = AutoModelForCausalLM.from_pretrained(tiny_text_model, dtype=torch.float32).eval()
+    prompt = llm.tokenizer.encode("Hi")
+    for sp in (SamplingParams(temperature=0, max_tokens=4, logprobs=True, ignore_eos=True),
+               SamplingParams(temperature=1.5, seed=5, max_tokens=4, logprobs=True,
+                              ignore_eos=True)):
+        out = llm.generate("Hi", sp)[0]
+        assert out.num_input_tokens == len(prompt) and len(out.token_ids) == 4
+        want = hf_output_logprob(hf, prompt, out.token_ids)
+        assert out.cumulative_logprob == pytest.approx(want, rel=1e-4, abs=1e-4)
     assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].cumulative_logprob is None
 
 
@@ -147,7 +160,7 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
     model = llm.engine.runner.model
     if not model.fused_decode:
-        pytest.skip("C++ CPU kernels not built here")
+        no_cpu_kernels()
     from kernels import cpu_ops
     calls = []
     for name in ("decode_stack", "decode_attention_half"):

@@ -102,6 +102,16 @@ def _hf_greedy(hf, tokenizer, prompt: str, n: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def hf_output_logprob(hf, prompt_ids: list[int], output_ids: list[int]) -> float:
+    """Sum over the output tokens of log_softmax(transformers' logits)[token]: the reference for
+    a request's cumulative_logprob (raw: no temperature, no penalties)."""
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)])
+    with torch.no_grad():
+        logp = hf(ids).logits[0].float().log_softmax(-1)
+    start = len(prompt_ids) - 1  # the logits at position i predict token i + 1
+    return sum(float(logp[start + i, t]) for i, t in enumerate(output_ids))
+
+
 @pytest.fixture(scope="module")
 def hf_reference(smollm, hf_smollm):
     chat = smollm.tokenizer.apply_chat_template(

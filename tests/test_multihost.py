@@ -1,6 +1,9 @@
-"""Tensor parallelism across hosts: rank 0 and a local worker in one network namespace, the node
-launcher's rank in another, joined by a veth pair (root only), against TP 1's tokens; plus the
-pieces that need no namespaces (config, authkey, the authenticated step channel)."""
+"""Tensor parallelism across hosts: rank 0 and a local worker on one "host", the node launcher's
+rank on another, against TP 1's tokens. Two ways to make the hosts: network namespaces joined by
+a veth pair (root and iproute2 only), and two loopback addresses of one namespace (anyone: rank
+0 serves on 127.0.0.2, the remote rank's sockets bind 127.0.0.1, its route to 127.0.0.2), which
+runs the same cross-host code (TCP store, authenticated step channel, gloo for every
+collective, the node launcher). Plus the pieces that need no hosts (config, authkey, channel)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import AuthenticationError
 from pathlib import Path
 
@@ -20,11 +24,13 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.config import EngineConfig
-from backend.parallel.node import RankListener, join, parse_ranks, resolve_authkey
+from backend.parallel.channel import RankListener, join, resolve_authkey
+from backend.parallel.node import parse_ranks
 from tests.tiny_models import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 ADDR_A, ADDR_B, PORT = "10.213.0.1", "10.213.0.2", 29500
+LOOPBACK_MASTER = "127.0.0.2"  # rank 0's host; the other "host" is 127.0.0.1 (its route there)
 PROMPTS = [list(range(5 + i, 30 + 3 * i)) for i in range(3)]
 
 
@@ -154,10 +160,38 @@ def _remove_netns(names: list[str]) -> None:
         _ip("netns", "del", ns)
 
 
-@pytest.fixture
-def two_hosts():
+def _free_port_pair(host: str) -> int:
+    """A port p with p and p + 1 free on host (rank 0's store and step listener)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((host, port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@dataclass
+class Hosts:
+    """How to start a process on host A (rank 0) or B (the node), and rank 0's address."""
+    prefix_a: list[str]
+    prefix_b: list[str]
+    master: str
+    port: int
+
+
+@pytest.fixture(params=["netns", "loopback"])
+def two_hosts(request):
+    if request.param == "loopback":
+        yield Hosts([], [], LOOPBACK_MASTER, _free_port_pair(LOOPBACK_MASTER))
+        return
     if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 for network namespaces")
+        pytest.skip("network namespaces need root and iproute2 (the loopback variant of this "
+                    "test covers the same cross-host code without them)")
     tag = os.getpid() % 100000
     a, b, va, vb = f"tpllm-a{tag}", f"tpllm-b{tag}", f"tpva{tag}", f"tpvb{tag}"
     steps = [("netns", "add", a), ("netns", "add", b),
@@ -173,7 +207,7 @@ def two_hosts():
             _remove_netns([a, b])
             pytest.skip(f"cannot set up network namespaces: ip {' '.join(step)}: {r.stderr}")
     try:
-        yield a, b
+        yield Hosts(["ip", "netns", "exec", a], ["ip", "netns", "exec", b], ADDR_A, PORT)
     finally:
         _remove_netns([a, b])
         assert not {a, b} & set(_ip("netns", "list").stdout.split())
@@ -213,11 +247,11 @@ def _lines(stream) -> queue.Queue:
 
 @pytest.mark.slow
 def test_tp_across_two_hosts(two_hosts, tmp_path):
-    """TP 3 with ranks 0-1 on "host" A and rank 2 on "host" B (gloo over the veth pair): TP 1's
-    tokens; a killed remote rank fails the step at once (not at a timeout) and the group is
-    rebuilt with the rank restarted by its launcher; a killed local rank makes the remote one
-    rejoin; after close nothing is left."""
-    ns_a, ns_b = two_hosts
+    """TP 3 with ranks 0-1 on "host" A and rank 2 on "host" B (gloo over the veth pair, or
+    between two loopback addresses): TP 1's tokens; a killed remote rank fails the step at once
+    (not at a timeout) and the group is rebuilt with the rank restarted by its launcher; a killed
+    local rank makes the remote one rejoin; after close nothing is left."""
+    hosts = two_hosts
     model = make_tiny_checkpoint("qwen2", tmp_path / "model", num_heads=6, num_kv_heads=2)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(model=str(model), num_kv_blocks=64, block_size=8, warmup=False, num_threads=1) as ref:
@@ -232,8 +266,9 @@ def test_tp_across_two_hosts(two_hosts, tmp_path):
     def tail(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text()[-3000:]
 
-    rank0 = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, str(tmp_path / "rank0.py"),
-                              str(model), ADDR_A, str(PORT), json.dumps(PROMPTS)], cwd=REPO,
+    rank0 = subprocess.Popen([*hosts.prefix_a, sys.executable, str(tmp_path / "rank0.py"),
+                              str(model), hosts.master, str(hosts.port), json.dumps(PROMPTS)],
+                             cwd=REPO,
                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=logs["rank0"], text=True)
     node = None
@@ -243,9 +278,9 @@ def test_tp_across_two_hosts(two_hosts, tmp_path):
         while not (tmp_path / "authkey").exists():  # rank 0 writes the key; "copy" it to B
             assert time.monotonic() < deadline and rank0.poll() is None, tail("rank0")
             time.sleep(0.2)
-        node = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m",
-                                 "backend.parallel.node", "--master-addr", ADDR_A,
-                                 "--master-port", str(PORT), "--ranks", "2",
+        node = subprocess.Popen([*hosts.prefix_b, sys.executable, "-m",
+                                 "backend.parallel.node", "--master-addr", hosts.master,
+                                 "--master-port", str(hosts.port), "--ranks", "2",
                                  "--num-threads", "1", "--join-timeout", "60"], cwd=REPO,
                                 env=env, stdout=logs["node"], stderr=logs["node"])
 

@@ -207,6 +207,7 @@ def test_sampled_frequencies_follow_softmax():
 def test_logprobs_are_raw_log_softmax():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 50, generator=g) * 2
+    x[2, 4] = x[2].max() + 1.0  # row 2's best token, until its frequency penalty (2 x 2.0)
     rows = [row([1, 2], [3], logprobs=True, repetition_penalty=1.5, temperature=0.5, top_p=0.9),
             row(logprobs=False),
             row([4], [4, 4], logprobs=True, temperature=0.0, frequency_penalty=2.0),
@@ -216,7 +217,10 @@ def test_logprobs_are_raw_log_softmax():
     ref = x.log_softmax(-1)
     for i in (0, 2, 3):
         assert out.logprobs[i] == pytest.approx(float(ref[i, out.token_ids[i]]), abs=1e-6)
-    assert out.token_ids[2] != 4 or x[2].argmax() == 4  # frequency penalty applied before argmax
+    # the frequency penalty applies before the argmax (and not to the logprob above)
+    penalized = x[2].clone()
+    penalized[4] -= 2 * 2.0
+    assert out.token_ids[2] == int(penalized.argmax()) != 4
 
 
 def test_sampling_params_top_k_must_be_int():

@@ -16,6 +16,7 @@ from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import build_step_inputs
 from backend.parallel.shm_comm import ShmCommunicator
 from tests.conftest import SMALL_ENGINE
+from tests.required import no_cpu_kernels
 from tests.test_model_fidelity import SMOL_PROMPTS
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -87,7 +88,7 @@ def test_fused_decode_collectives_late_peer_path(stack, default_model_dir, tp1_r
     try:
         comm = llm.engine.group.comm
         if comm._native is None:
-            pytest.skip("C++ CPU kernels not built here")
+            no_cpu_kernels()
         comm._native_spins = 0
         late = []
         if stack:
@@ -181,7 +182,7 @@ def test_message_over_the_slot_goes_through_gloo(tmp_path):
     """The shm communicator's fallback (a gloo group formed at the first oversized message)."""
     from dataclasses import replace
 
-    from backend.parallel.group import WorkerSpec
+    from backend.parallel.spec import WorkerSpec
     name = f"tpllm_test_{secrets.token_hex(4)}"
     owner = ShmCommunicator(name, 0, 2, 256, torch.float32, create=True)
     base = WorkerSpec(rank=0, world=2, store_path=str(tmp_path / "store"), shm_name=name,
@@ -311,6 +312,27 @@ def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("tpllm-tp-*"))
     assert {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("tpllm_")} == set()
     assert set(mp.active_children()) - children_before == set()
+
+
+def test_unguarded_script_start_names_the_main_guard(tmp_path):
+    """A script that starts LLM(tensor_parallel_size=2) at top level, without
+    `if __name__ == "__main__":`: each spawned worker re-imports it and dies bootstrapping. The
+    start-up error says so (before: only "rank 1 exited during start-up (exit code 1)")."""
+    import subprocess
+    import sys
+
+    make_tiny_checkpoint("llama", tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text("from backend import LLM\n"
+                      f"llm = LLM(model={str(tmp_path / 'model')!r}, tensor_parallel_size=2, "
+                      "num_kv_blocks=16, warmup=False)\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "tensor-parallel rank 1 exited during start-up" in last, run.stderr[-3000:]
+    assert f"re-imports the main script ({script})" in last
+    assert 'if __name__ == "__main__":' in last
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])

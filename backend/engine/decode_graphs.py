@@ -10,21 +10,33 @@ Logits are computed for every row of the bucket and the step's rows copied out a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from backend.engine.device_inputs import DeviceInputs
 from backend.engine.kv_manager import SCRATCH_BLOCK
 from backend.engine.step_inputs import StepInputs
+from backend.model.llama import LlamaForCausalLM
+from backend.model.rotary import RotaryTables
 from kernels.cuda_graphs import GraphRunner, StaticInput
 from kernels.metadata import AttentionMetadata, DecodeBatch
 
-if TYPE_CHECKING:
-    from backend.engine.model_runner import ModelRunner
+
+class StepOwner(Protocol):
+    """What a decode step needs from the rank's ModelRunner (model_runner.py), which owns the
+    DecodeGraphs: named here so that this module does not import the runner's."""
+    model: LlamaForCausalLM
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    rotary: RotaryTables
+    inputs: DeviceInputs
+    block_size: int
+    max_model_len: int
+    device: torch.device
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", buckets: Sequence[int], use_graphs: bool,
+    def __init__(self, runner: StepOwner, buckets: Sequence[int], use_graphs: bool,
                  on_capture: Callable[[int], None] | None = None):
         self.runner = runner
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))

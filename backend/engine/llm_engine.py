@@ -164,7 +164,8 @@ class LLMEngine:
 
     def _launch_group(self, cfg: ModelConfig, num_blocks: int,
                       threads: int | None) -> ParallelContext:
-        from backend.parallel.group import TPGroup, WorkerSpec
+        from backend.parallel.group import TPGroup
+        from backend.parallel.spec import WorkerSpec
         c, tp = self.config, self.config.tensor_parallel_size
         vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))
         slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,

@@ -14,16 +14,13 @@ import datetime
 import os
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from backend.parallel.context import Communicator
 from backend.parallel.shm_comm import ShmCommunicator
-
-if TYPE_CHECKING:
-    from backend.parallel.group import WorkerSpec
+from backend.parallel.spec import WorkerSpec
 
 
 def on_gpu(device: str) -> bool:
@@ -41,7 +38,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 TRANSPORT_ENV = "TPLLM_TP_TRANSPORT"
 
 
-def cpu_transport(spec: "WorkerSpec | None" = None) -> str:
+def cpu_transport(spec: WorkerSpec | None = None) -> str:
     if spec is not None and spec.master_addr:
         return "gloo"  # multi-host: shared memory does not reach the other hosts
     value = os.environ.get(TRANSPORT_ENV, "shm").strip().lower() or "shm"
@@ -50,7 +47,7 @@ def cpu_transport(spec: "WorkerSpec | None" = None) -> str:
     return value
 
 
-def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
+def local_segment(spec: WorkerSpec, dtype: torch.dtype,
                   peers_alive: Callable[[], bool]) -> ShmCommunicator | None:
     """Rank 0, before the workers start: the CPU path's shared-memory segment; None on GPU or
     with the gloo transport."""
@@ -60,7 +57,7 @@ def local_segment(spec: "WorkerSpec", dtype: torch.dtype,
                            spec.slot_bytes, dtype, create=True, peers_alive=peers_alive)
 
 
-def rendezvous_store(spec: "WorkerSpec", timeout: datetime.timedelta) -> dist.Store:
+def rendezvous_store(spec: WorkerSpec, timeout: datetime.timedelta) -> dist.Store:
     """The group's store: a file in rank 0's private temp directory (no port is opened); every
     rank opens the same path. Multi-host: a TCP store rank 0 hosts on master_addr:master_port."""
     if spec.master_addr:
@@ -76,7 +73,7 @@ def rendezvous_store(spec: "WorkerSpec", timeout: datetime.timedelta) -> dist.St
     return store
 
 
-def gloo_group(spec: "WorkerSpec", store: dist.Store,
+def gloo_group(spec: WorkerSpec, store: dist.Store,
                timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
     """A gloo group over `store`. Multi-host, its sockets bind to spec.gloo_host (an address the
     other hosts reach: torch's default, the hostname's address, may be loopback-only) unless
@@ -99,7 +96,7 @@ class LazyGloo:
     rank reaches that collective together (same model, same step), so they form it together.
     Until then no rank opens a socket (the slots are sized so that it normally never happens)."""
 
-    def __init__(self, spec: "WorkerSpec", store: dist.Store, timeout: datetime.timedelta):
+    def __init__(self, spec: WorkerSpec, store: dist.Store, timeout: datetime.timedelta):
         self._args = (spec, store, timeout)
         self._pg: dist.ProcessGroupGloo | None = None
 
@@ -109,7 +106,7 @@ class LazyGloo:
         return self._pg.allreduce(tensors)
 
 
-def connect(spec: "WorkerSpec", store: dist.Store, dtype: torch.dtype,
+def connect(spec: WorkerSpec, store: dist.Store, dtype: torch.dtype,
             timeout: datetime.timedelta, peers_alive: Callable[[], bool],
             segment: ShmCommunicator | None = None) -> Communicator:
     """This rank's communicator; every rank calls it once all ranks are started (it forms the

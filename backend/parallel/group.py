@@ -27,58 +27,20 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 from multiprocessing.connection import Connection
 
 import torch
 
+from backend.parallel.channel import RankListener, resolve_authkey
 from backend.parallel.comm_select import connect, local_segment, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.shm_comm import PeerLostError
+from backend.parallel.spec import (REJOIN, STARTED, STARTUP_TIMEOUT_S, WorkerSpec,
+                                   python_executable)
 
 log = logging.getLogger("backend.parallel")
-STARTUP_TIMEOUT_S = 600.0
-REJOIN = "rejoin"  # close() before a rebuild tells remote ranks to join the next group...
-REJOIN_EXIT = 3  # ...and they exit with this code, so that their launcher starts them again
-
-
-@dataclass
-class WorkerSpec:
-    """Everything a worker needs to build its rank (picklable)."""
-    rank: int
-    world: int
-    store_path: str  # the FileStore rendezvous file
-    shm_name: str
-    slot_bytes: int
-    model_dir: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    num_threads: int | None
-    cpu: int | None  # core to pin to, or None
-    # GPU path (comm_select.py): rank r on the r-th GPU from `device`; decode CUDA graphs
-    device: str = "cpu"
-    cuda_graphs: bool = False
-    decode_sizes: tuple[int, ...] = ()
-    packed_rows: int = 0  # CPU: linears keep a packed weight copy for batches of this many rows
-    # multi-host: rank 0's TCP store instead of the file store, gloo for every collective
-    master_addr: str = ""
-    master_port: int = 0
-    gloo_host: str = ""  # the address this rank's gloo sockets bind to ("": torch's default)
-    collective_timeout_s: float = 0.0  # > 0: a collective waiting longer fails
-
-
-def python_executable() -> str:
-    """The interpreter for workers. Inside Triton's Python-backend stub sys.executable is the stub
-    itself, so prefer $TPLLM_PYTHON, then a real python, then the environment's bin/python3."""
-    exe = os.environ.get("TPLLM_PYTHON") or sys.executable
-    if exe and Path(exe).name.startswith("python") and Path(exe).exists():
-        return exe
-    fallback = Path(sys.prefix) / "bin" / "python3"
-    return str(fallback if fallback.exists() else exe)
 
 
 class TPGroup:
@@ -90,7 +52,6 @@ class TPGroup:
         self.local_ranks = local_ranks or spec.world
         self._authkey = b""
         if self.local_ranks < self.world:
-            from backend.parallel.node import resolve_authkey
             self._authkey = resolve_authkey(create=True)
         self.ctx = ParallelContext(0, spec.world, None)  # the model keeps this object for good
         self.closed = True
@@ -121,7 +82,7 @@ class TPGroup:
         self._store = rendezvous_store(base, timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
-        from backend.parallel.worker import worker_main
+        from backend.parallel.worker import worker_main  # here: it pulls in the model and engine
         for rank in range(1, self.local_ranks):
             parent, child = ctx.Pipe()
             spec = replace(base, rank=rank,
@@ -140,7 +101,6 @@ class TPGroup:
     def _accept_remote(self, base: WorkerSpec) -> None:
         """Wait until ranks local_ranks..N-1 have joined from their hosts; send each its spec.
         The step port is open only meanwhile."""
-        from backend.parallel.node import RankListener
         addr, port = base.master_addr, base.master_port
         self._listener = RankListener(addr, port + 1, self._authkey)
         waiting = set(range(self.local_ranks, self.world))
@@ -150,8 +110,7 @@ class TPGroup:
         while waiting:
             for rank, p in enumerate(self._procs, start=1):  # don't wait on a broken start
                 if not p.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
-                                       f"(exit code {p.exitcode})")
+                    raise self._startup_failure(rank)
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"tensor-parallel ranks {sorted(waiting)} did not join in "
@@ -195,31 +154,51 @@ class TPGroup:
             if rank >= self.local_ranks:
                 self._wait_remote_ready(rank, conn, deadline)
                 continue
-            while not conn.poll(0.1):
-                if not self._procs[rank - 1].is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
-                                       f"(exit code {self._procs[rank - 1].exitcode})")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor-parallel rank {rank} not ready in {timeout:.0f}s")
-            try:
-                status, detail = conn.recv()
-            except (EOFError, OSError):  # it died before reporting (e.g. a failed spawn)
-                self._procs[rank - 1].join(1.0)
-                raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up (exit "
-                                   f"code {self._procs[rank - 1].exitcode}); its stderr says why"
-                                   ) from None
+            status, started = STARTED, False
+            while status == STARTED:
+                while not conn.poll(0.1):
+                    if not self._procs[rank - 1].is_alive():
+                        raise self._startup_failure(rank, started)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"tensor-parallel rank {rank} not ready in "
+                                           f"{timeout:.0f}s")
+                try:
+                    status, detail = conn.recv()
+                except (EOFError, OSError):  # it died before reporting (e.g. a failed spawn)
+                    raise self._startup_failure(rank, started) from None
+                started = True
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
+    def _startup_failure(self, rank: int, started: bool = False) -> RuntimeError:
+        """Why local rank `rank`, found dead during start-up, is gone: its own error report if
+        it sent one, else its exit code, and if it never said it started, the likely cause."""
+        proc, conn = self._procs[rank - 1], self._conns[rank - 1]
+        proc.join(1.0)
+        try:
+            while conn.poll(0):  # what it sent before dying
+                status, detail = conn.recv()
+                if status == "error":
+                    return RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                started = True
+        except (EOFError, OSError):
+            pass
+        msg = f"tensor-parallel rank {rank} exited during start-up (exit code {proc.exitcode})"
+        if started:
+            return RuntimeError(f"{msg}; its stderr says why")
+        return RuntimeError(f"{msg} before running any worker code: {_bootstrap_hint()}")
+
     @staticmethod
     def _wait_remote_ready(rank: int, conn: Connection, deadline: float) -> None:
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"tensor-parallel rank {rank} (remote) not ready in time")
-        try:
-            status, detail = conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"tensor-parallel rank {rank} (remote) hung up during start-up; "
-                               "its node launcher's log says why") from None
+        status = STARTED
+        while status == STARTED:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"tensor-parallel rank {rank} (remote) not ready in time")
+            try:
+                status, detail = conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"tensor-parallel rank {rank} (remote) hung up during "
+                                   "start-up; its node launcher's log says why") from None
         if status != "ready":
             raise RuntimeError(f"tensor-parallel rank {rank} (remote) failed to start: {detail}")
 
@@ -271,6 +250,21 @@ class TPGroup:
         self._store = None
         shutil.rmtree(self._store_dir, ignore_errors=True)
         log.info("tensor-parallel workers stopped")
+
+
+def _bootstrap_hint() -> str:
+    """The likely cause of a worker that died before its own code ran. A spawned process first
+    re-imports the parent's main module (the script), top level included: a script that starts
+    an engine with tensor_parallel_size > 1 outside `if __name__ == "__main__":` makes each
+    worker try to start one too, which multiprocessing refuses while bootstrapping."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None:  # an interactive session or an embedded interpreter: nothing re-imported
+        return "its stderr says why"
+    return (f"every worker first re-imports the main script ({path}): if it creates the LLM "
+            f"with tensor_parallel_size > 1 at top level, move that under "
+            f"`if __name__ == \"__main__\":` (see README, Tensor parallelism); else its stderr "
+            f"says why")
 
 
 def _channel_open(conn: Connection) -> bool:

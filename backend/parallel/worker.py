@@ -19,7 +19,7 @@ from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
-from backend.parallel.group import REJOIN, REJOIN_EXIT, STARTUP_TIMEOUT_S, WorkerSpec
+from backend.parallel.spec import REJOIN, REJOIN_EXIT, STARTED, STARTUP_TIMEOUT_S, WorkerSpec
 from backend.parallel.shm_comm import PeerLostError, ranks_outnumber_cores
 from backend.process_exit import exit_now
 
@@ -64,6 +64,7 @@ def _next_message(conn, spin_s: float) -> bytes:
 
 def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(message)s")
+    conn.send((STARTED, None))
     try:
         runner = _build_rank(spec, parent_pid)
     except BaseException as e:  # report, don't hang rank 0

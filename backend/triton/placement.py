@@ -1,6 +1,6 @@
 """Where one Triton model instance (one engine replica) runs: pure functions, no torch, no Triton.
 
-Rules (see ../shared/DESIGN.md, Placement):
+Rules (model_repository/README.md, Placement):
 - KIND_CPU: the replica runs on CPU (tensor parallelism across CPU worker processes).
 - KIND_GPU: Triton picks one GPU per instance, so only tensor_parallel_size 1 is allowed.
 - KIND_MODEL: this backend places the replica itself: replica i gets the i-th set of

@@ -23,7 +23,7 @@ def test_grpc_cancel_frees_kv(server):
     import tritonclient.grpc as grpcclient
     server.wait_metric(KV, lambda v: v == 0)
     idle = server.metric(KV)
-    aborts = server.metric("llm_requests_total", finish_reason="abort")
+    aborts = server.metric("llm_requests_total", default=0.0, finish_reason="abort")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -235,7 +235,7 @@ def test_bad_inputs_get_field_errors_while_8_streams_run(server, greedy):
     for t in threads:
         t.start()
     assert server.wait_metric("llm_num_requests_running", lambda v: v == 8, timeout=60) == 8
-    invalid0 = server.metric("llm_requests_total", finish_reason="invalid")
+    invalid0 = server.metric("llm_requests_total", default=0.0, finish_reason="invalid")
     failures = []
     for fields, field in BAD_HTTP:
         status, body = _http_post(server, fields)

@@ -78,7 +78,7 @@ def test_100_cancellations_free_every_kv_block(server, greedy):
     assert server.wait_metric(KV, lambda v: v == 0, timeout=60) == 0
     idle = server.metric(KV)
     total = server.metric("llm_kv_cache_blocks_total")
-    aborts0 = server.metric("llm_requests_total", finish_reason="abort")
+    aborts0 = server.metric("llm_requests_total", default=0.0, finish_reason="abort")
     rng = random.Random(7)
     # (protocol, point, prompt): 100 in all, every combination
     plan = []
