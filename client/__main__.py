@@ -100,12 +100,24 @@ def _cmd_soak(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.soak")
 
 
+# NVIDIA's tools, run unchanged with the libraries they need found (client/perf_analyzer.py):
+# every argument after the tool's name is the tool's own, so they bypass this parser.
+TOOLS = {"perf_analyzer": "perf_analyzer (tritonclient 2.51.0's binary), arguments passed as is",
+         "genai-perf": "genai-perf (`make genai-perf`), with perf_analyzer on PATH"}
+
+
+def _cmd_tools(sub: argparse._SubParsersAction) -> None:
+    for name, text in TOOLS.items():  # listed in --help; main() dispatches them before parsing
+        sub.add_parser(name, help=text, add_help=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _cmd_bench(sub)
     _cmd_serving(sub)
     _cmd_soak(sub)
+    _cmd_tools(sub)
     return parser
 
 
@@ -129,6 +141,10 @@ def _ensure_wait_policy(policy: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw and raw[0] in TOOLS:
+        from client import perf_analyzer
+        return perf_analyzer.main(argparse.Namespace(tool=raw[0], tool_args=raw[1:]))
     args = build_parser().parse_args(argv)
     if argv is None and hasattr(args, "wait_policy"):  # re-exec only reproduces the real argv
         _ensure_wait_policy(args.wait_policy)
