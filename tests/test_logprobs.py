@@ -1,14 +1,19 @@
 """Per-token logprobs with top-k alternatives: sampler, offline API (OpenAI's logprobs/top_logprobs)."""
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from backend import LLM, SamplingParams
 from backend.engine.logprobs import PositionLogprobs, TokenLogprob
+from backend.engine.outputs import RequestOutput
 from backend.engine.sampler import Sampler
+from backend.triton.request import parse_request
+from backend.triton.response import StreamState, tensors_for
 from tests.test_sampler import row
 
 
@@ -76,3 +81,45 @@ def test_offline_api_returns_per_token_logprobs(llm):
     # same text as without logprobs: asking for them changes nothing about the sampling
     assert greedy.text == llm.generate("Hello there", SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True))[0].text
+
+
+# ---- the Triton layer: the `logprobs` output and per-response num_output_tokens ----------------
+
+def _pos(tok: int, lp: float, rank: int = 1) -> PositionLogprobs:
+    return PositionLogprobs(TokenLogprob(tok, lp, rank, f"t{tok}"),
+                            [TokenLogprob(tok, lp, 1, f"t{tok}"), TokenLogprob(99, lp - 1, 2, "x")])
+
+
+def _state(stream: bool):
+    r = parse_request({"text_input": np.array([b"Hi"], dtype=object),
+                       "stream": np.bool_([stream]), "return_logprobs": np.bool_([True]),
+                       "return_num_output_tokens": np.bool_([True]),
+                       "sampling_parameters": np.array([json.dumps({"logprobs": 1}).encode()],
+                                                       dtype=object)})
+    assert r.params.top_logprobs == 1
+    return StreamState("r", r, sender=None, arrival=0.0)
+
+
+def _out(text: str, n: int, tok: int, finished: bool = False):
+    return RequestOutput("r", text, [tok], finished, "length" if finished else None, 2, n,
+                         logprobs=[_pos(tok, -0.5 * n)])
+
+
+def test_streaming_logprobs_of_empty_deltas_come_with_the_next_response():
+    s = _state(stream=True)
+    assert tensors_for(s, _out("", 1, 5)) is None  # no text yet (e.g. half a UTF-8 character)
+    d = tensors_for(s, _out("ab", 2, 6))
+    body = json.loads(d["logprobs"][0])
+    assert [list(e) for e in body] == [["5", "99"], ["6", "99"]]
+    assert body[0]["5"] == {"logprob": -0.5, "rank": 1, "decoded_token": "t5"}
+    assert d["num_output_tokens"][0] == 2  # both tokens reported on this response
+    d = tensors_for(s, _out("c", 3, 7, finished=True))
+    assert [list(e) for e in json.loads(d["logprobs"][0])] == [["7", "99"]]
+    assert d["num_output_tokens"][0] == 1  # summed over responses: 3 = the total
+
+
+def test_non_streaming_sends_every_position_once():
+    s = _state(stream=False)
+    assert tensors_for(s, _out("a", 1, 5)) is None
+    d = tensors_for(s, _out("b", 2, 6, finished=True))
+    assert len(json.loads(d["logprobs"][0])) == 2 and d["num_output_tokens"][0] == 2
