@@ -69,13 +69,29 @@ def _cmd_bench_coldstart(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_coldstart")
 
 
+def _cmd_bench_clients(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("clients", help="genai-perf vs the server's llm_* histograms vs our "
+                                         "client, one workload (needs make genai-perf)")
+    p.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
+    p.add_argument("--metrics-url", default="localhost:8002")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4, help="requests sent at once (one wave)")
+    p.add_argument("--backends", default="tensorrtllm,vllm", help="genai-perf payloads")
+    p.add_argument("--tokenizer", default=None, help="the served model's directory "
+                                                     "(default: the embedded SmolLM2)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/clients-<ts>.json)")
+    p.set_defaults(runner="client.bench_clients")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart}")
+                             metavar="{offline,tp,coldstart,clients}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
+    _cmd_bench_clients(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:
