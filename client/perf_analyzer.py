@@ -30,16 +30,21 @@ GENAI_PERF_VENV = ROOT / ".venv-genai-perf"  # made by `make genai-perf`
 INPUT_DATA = ROOT / "client" / "perf_data_1024_64.json"
 
 
-def perf_analyzer_binary() -> Path:
-    """The perf_analyzer of this environment (next to its Python, as pip installs it), else PATH."""
-    own = Path(sys.executable).parent / "perf_analyzer"
+def _find(own: Path, name: str, hint: str) -> Path:
+    """`own` if it exists, else `name` on PATH, else exit with `hint`."""
     if own.exists():
         return own
-    found = shutil.which("perf_analyzer")
+    found = shutil.which(name)
     if found:
         return Path(found)
-    sys.exit("perf_analyzer not found: `make setup` installs tritonclient[all]==2.51.0, whose "
-             "wheel ships it (later wheels do not)")
+    sys.exit(f"{name} not found: {hint}")
+
+
+def perf_analyzer_binary() -> Path:
+    """The perf_analyzer of this environment (next to its Python, as pip installs it), else PATH."""
+    return _find(Path(sys.executable).parent / "perf_analyzer", "perf_analyzer",
+                 "`make setup` installs tritonclient[all]==2.51.0, whose wheel ships it "
+                 "(later wheels do not)")
 
 
 def _pytriton_libs() -> Path | None:
@@ -88,14 +93,9 @@ def tool_env(base: dict | None = None) -> dict:
 
 
 def genai_perf_binary() -> Path:
-    exe = GENAI_PERF_VENV / "bin" / "genai-perf"
-    if exe.exists():
-        return exe
-    found = shutil.which("genai-perf")
-    if found:
-        return Path(found)
-    sys.exit("genai-perf not found: run `make genai-perf` (installs genai-perf==0.0.16 in "
-             f"{GENAI_PERF_VENV.name}/, it needs numpy<2 and its own dependency set)")
+    return _find(GENAI_PERF_VENV / "bin" / "genai-perf", "genai-perf",
+                 f"run `make genai-perf` (installs genai-perf==0.0.16 in {GENAI_PERF_VENV.name}/: "
+                 "it needs numpy<2 and its own dependency set)")
 
 
 def main(args) -> int:
