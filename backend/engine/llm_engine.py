@@ -16,9 +16,9 @@ from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.kv_manager import KVCacheManager
+from backend.engine.logprobs import decode_tokens
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput
-from backend.engine.logprobs import decode_tokens
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
