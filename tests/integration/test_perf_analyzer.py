@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from client.perf_data import input_data
+from client.perf_data import input_data, summarize_export
 from client.server import ROOT
 
 pytestmark = pytest.mark.integration
@@ -52,7 +52,7 @@ def _run(server, tmp_path, max_tokens: int, concurrency: int, requests: int) -> 
                        timeout=30)
     after = _counters(server)
     delta = {k: after[k] - before[k] for k in after}
-    return out, {"delta": delta, "export": json.loads(export.read_text())}
+    return out, {"delta": delta, "export": json.loads(export.read_text()), "export_path": export}
 
 
 def test_perf_analyzer_streaming_counts_agree_with_the_server(server, tmp_path):
@@ -67,6 +67,8 @@ def test_perf_analyzer_streaming_counts_agree_with_the_server(server, tmp_path):
     assert r["delta"] == {"success": count, "failure": 0, "llm_length": count, "llm_all": count}
     sent = [q for e in r["export"]["experiments"] for q in e["requests"]]
     assert len(sent) == count
+    summary = summarize_export(r["export_path"])
+    assert summary["requests"] == count and 0 < summary["ttft_s"] <= summary["e2e_s"]
     for q in sent:  # ignore_eos: every token of every request streamed back (no empty deltas)
         assert 1 <= len(q["response_timestamps"]) <= max_tokens
 
