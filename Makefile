@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; override on a GPU host, e.g. `make setup TORCH=torch`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-fast serve bench clean
+.PHONY: setup test test-fast serve bench clean genai-perf
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m kernels.cpu_ext || echo "WARNING: C++ CPU kernels NOT built: serving falls back to the slower torch path; make test will fail"
 	touch $@
 
+# Optional: genai-perf 0.0.16 in a venv of its own (it pins numpy<2 and its own transformers);
+# it runs the perf_analyzer of $(VENV) (`python -m client genai-perf ...`, model_repository/README.md).
+GENAI_VENV := .venv-genai-perf
+genai-perf: setup $(GENAI_VENV)/.installed
+
+$(GENAI_VENV)/.installed: Makefile
+	test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GENAI_VENV)/bin/python -m pip install -q "genai-perf==0.0.16" "numpy<2"
+	touch $@
+
 test: setup
 	TPLLM_REQUIRE_CPU_KERNELS=1 $(PY) -m pytest -q -ra
 
@@ -34,4 +45,4 @@ bench: setup
 	$(PY) -m client bench offline --compare hf
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(GENAI_VENV) .pytest_cache

@@ -69,13 +69,29 @@ def _cmd_bench_coldstart(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_coldstart")
 
 
+def _cmd_bench_clients(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("clients", help="genai-perf vs the server's llm_* histograms vs our "
+                                         "client, one workload (needs make genai-perf)")
+    p.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
+    p.add_argument("--metrics-url", default="localhost:8002")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4, help="requests sent at once (one wave)")
+    p.add_argument("--backends", default="tensorrtllm,vllm", help="genai-perf payloads")
+    p.add_argument("--tokenizer", default=None, help="the served model's directory "
+                                                     "(default: the embedded SmolLM2)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/clients-<ts>.json)")
+    p.set_defaults(runner="client.bench_clients")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart}")
+                             metavar="{offline,tp,coldstart,clients}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
+    _cmd_bench_clients(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:
@@ -100,12 +116,24 @@ def _cmd_soak(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.soak")
 
 
+# NVIDIA's tools, run unchanged with the libraries they need found (client/perf_analyzer.py):
+# every argument after the tool's name is the tool's own, so they bypass this parser.
+TOOLS = {"perf_analyzer": "perf_analyzer (tritonclient 2.51.0's binary), arguments passed as is",
+         "genai-perf": "genai-perf (`make genai-perf`), with perf_analyzer on PATH"}
+
+
+def _cmd_tools(sub: argparse._SubParsersAction) -> None:
+    for name, text in TOOLS.items():  # listed in --help; main() dispatches them before parsing
+        sub.add_parser(name, help=text, add_help=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _cmd_bench(sub)
     _cmd_serving(sub)
     _cmd_soak(sub)
+    _cmd_tools(sub)
     return parser
 
 
@@ -129,6 +157,10 @@ def _ensure_wait_policy(policy: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw and raw[0] in TOOLS:
+        from client import perf_analyzer
+        return perf_analyzer.main(argparse.Namespace(tool=raw[0], tool_args=raw[1:]))
     args = build_parser().parse_args(argv)
     if argv is None and hasattr(args, "wait_policy"):  # re-exec only reproduces the real argv
         _ensure_wait_policy(args.wait_policy)

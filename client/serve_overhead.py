@@ -106,7 +106,7 @@ def run_server(url, model, prompts, max_tokens, stream: bool = True) -> dict:
             {"text_input": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
              "stream": stream, "return_num_output_tokens": True}), request_id=str(i),
             enable_empty_final_response=True)
-    done, counts = 0, {}
+    done = 0
     while done < len(prompts):
         now, result, error = q.get(timeout=600)
         if error is not None:
@@ -114,9 +114,8 @@ def run_server(url, model, prompts, max_tokens, stream: bool = True) -> dict:
         resp = result.get_response()
         rid = resp.id
         if resp.outputs:
-            n = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-            new = n - counts.get(rid, 0)
-            counts[rid] = n
+            # return_num_output_tokens: true = the tokens new on this response
+            new = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
             times.setdefault(rid, []).extend([now] * new)
         if resp.parameters["triton_final_response"].bool_param:
             done += 1

@@ -97,13 +97,13 @@ class Server:
     def ready(self) -> bool:
         return _get(f"http://{self.http_url}/v2/models/llm/ready", 5)[0] == 200
 
-    def metrics(self) -> dict[str, float]:
-        """{'name{labels}': value} of the llm_* metrics."""
+    def metrics(self, prefix: str = "llm_") -> dict[str, float]:
+        """{'name{labels}': value} of the llm_* metrics (Triton's own: prefix "nv_")."""
         status, text = _get(f"http://localhost:{self.metrics_port}/metrics")
         assert status == 200
         out = {}
         for line in text.splitlines():
-            if line.startswith("llm_"):
+            if line.startswith(prefix):
                 key, _, value = line.rpartition(" ")
                 out[key] = float(value)
         return out
@@ -113,7 +113,7 @@ class Server:
         renamed or never-exported metric must not read as 0), unless a `default` is given: for
         series that appear at their first event (llm_requests_total per finish_reason)."""
         total, found = 0.0, False
-        for key, v in self.metrics().items():
+        for key, v in self.metrics(name.split("_", 1)[0] + "_").items():
             base, _, lab = key.partition("{")
             if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
                 total += v

@@ -16,6 +16,7 @@ from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.kv_manager import KVCacheManager
+from backend.engine.logprobs import decode_tokens
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampler import Sampler, make_generator
@@ -311,6 +312,7 @@ class LLMEngine:
             sampled = self.sampler(logits, sampling)
             for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp))
+            self._attach_logprobs(outputs, sampled.position_logprobs)
         t2 = time.perf_counter()
         self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
@@ -349,6 +351,14 @@ class LLMEngine:
             del self.requests[seq.request_id]
             self.stats.finished_requests += 1
         return self._output(seq, delta, [token])
+
+    def _attach_logprobs(self, outputs: list[RequestOutput], positions: list) -> None:
+        """Per-token logprobs (rows with params.top_logprobs) onto their step outputs, with each
+        token's text (the tokenizer lives here, not in the sampler)."""
+        for out, pos in zip(outputs, positions):
+            if pos is not None:
+                out.logprobs = [decode_tokens(pos, self.tokenizer.decode)
+                                if self.tokenizer is not None else pos]
 
     def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
         return RequestOutput(

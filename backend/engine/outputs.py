@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend.engine.logprobs import PositionLogprobs
+
 
 @dataclass
 class RequestOutput:
@@ -18,6 +20,8 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
+    # One entry per token in token_ids when params.top_logprobs is set, else None.
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -32,9 +36,12 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
+    logprobs: list[PositionLogprobs] | None = None  # per generated token (params.top_logprobs)
 
     def extend(self, out: RequestOutput) -> None:
         self.text += out.text
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
         self.token_ids.extend(out.token_ids)
         self.num_output_tokens = out.num_output_tokens
         self.cumulative_logprob = out.cumulative_logprob

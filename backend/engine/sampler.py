@@ -6,11 +6,12 @@ or plain temperature sampling) cost one or two passes over the logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 
+from backend.engine import logprobs as lp_mod
 from backend.engine.sampling_params import SamplingParams
 
 # Below this temperature logits / T can overflow float32 and the distribution is a point mass on
@@ -31,6 +32,8 @@ class SamplerOutput:
     token_ids: list[int]
     # log_softmax(raw logits)[chosen], or None where params.logprobs is False.
     logprobs: list[float | None]
+    # The chosen token's rank and the top-k alternatives, where params.top_logprobs is set.
+    position_logprobs: list[lp_mod.PositionLogprobs | None] = field(default_factory=list)
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -219,11 +222,19 @@ class Sampler:
         out = tokens.tolist()
 
         logprobs: list[float | None] = [None] * len(rows)
+        positions: list[lp_mod.PositionLogprobs | None] = [None] * len(rows)
         if raw is not None:
+            lsm = raw.log_softmax(dim=-1)
             chosen = tokens[lp_rows].unsqueeze(1)
-            for i, v in zip(lp_rows, raw.log_softmax(dim=-1).gather(1, chosen).squeeze(1).tolist()):
+            for i, v in zip(lp_rows, lsm.gather(1, chosen).squeeze(1).tolist()):
                 logprobs[i] = v
-        return SamplerOutput(token_ids=out, logprobs=logprobs)
+            top = [j for j, i in enumerate(lp_rows) if params[i].top_logprobs is not None]
+            if top:
+                rows_top = [lp_rows[j] for j in top]
+                for i, pos in zip(rows_top, lp_mod.compute(
+                        lsm[top], tokens[rows_top], [params[i].top_logprobs for i in rows_top])):
+                    positions[i] = pos
+        return SamplerOutput(token_ids=out, logprobs=logprobs, position_logprobs=positions)
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, filters, then inverse-CDF sampling with one uniform per row."""

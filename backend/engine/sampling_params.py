@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (and vLLM's default max_logprobs)
 
 
 @dataclass
@@ -31,10 +32,15 @@ class SamplingParams:
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Per-token logprobs (RequestOutput.logprobs): None = off; k = the chosen token's logprob plus
+    # the k most likely tokens at each position (OpenAI's top_logprobs; vLLM's `logprobs=k`).
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.top_logprobs is not None:
+            self.logprobs = True  # the chosen token's logprob (and the cumulative) come with them
         self.validate()
 
     @property
@@ -71,6 +77,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be a list of non-negative integers")
+        if self.top_logprobs is not None:
+            _int_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")

@@ -40,6 +40,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("bool", "skip_special_tokens"),
     "beam_width": ("int", ".beam_width"),
     "n": ("int", ".beam_width"),
+    "best_of": ("int", ".best_of"),  # older OpenAI frontends forward it (default 1)
     "stream": ("bool", ".stream"),
     "exclude_input_in_output": ("bool", ".exclude_input_in_output"),
     "chat": ("bool", ".chat"),
@@ -47,15 +48,22 @@ FIELDS: dict[str, tuple[str, str]] = {
     "return_num_input_tokens": ("bool", ".return_num_input_tokens"),
     "return_num_output_tokens": ("bool", ".return_num_output_tokens"),
     "return_cumulative_logprob": ("bool", ".return_cumulative_logprob"),
+    # Per-token logprobs (the OpenAI frontend's vLLM contract): `return_logprobs` asks for the
+    # `logprobs` output; `logprobs` (vLLM: k alternatives; a boolean counts as 0/1) or
+    # `top_logprobs` (OpenAI's name) in sampling_parameters says how many alternatives.
+    "return_logprobs": ("bool", ".return_logprobs"),
+    "logprobs": ("count", "top_logprobs"),
+    "top_logprobs": ("int", "top_logprobs"),
 }
 # Input tensors of config.pbtxt besides text_input / sampling_parameters (all optional).
 TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p",
                  "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                  "random_seed", "stop_words", "ignore_eos", "stream", "exclude_input_in_output",
                  "chat", "beam_width", "return_finish_reason", "return_num_input_tokens",
-                 "return_num_output_tokens", "return_cumulative_logprob")
+                 "return_num_output_tokens", "return_cumulative_logprob", "return_logprobs")
 ALL_INPUTS = ("text_input", "sampling_parameters", *TENSOR_INPUTS)
-RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob")
+RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
+                 "logprobs")
 
 
 @dataclass
@@ -123,6 +131,10 @@ def convert(name: str, kind: str, v):
         v = v.item()
     if isinstance(v, bytes):
         v = _text(name, v)
+    if kind == "count":  # an integer, or a boolean meaning 0 / 1 (vLLM's `logprobs`)
+        if isinstance(v, bool):
+            return int(v)
+        kind = "int"
     if kind == "bool":
         if isinstance(v, bool):
             return v
@@ -197,12 +209,14 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
             values[FIELDS[k][1]] = (k, convert(k, FIELDS[k][0], v))
     opts = {t[1:]: val for t, (_, val) in values.items() if t.startswith(".")}
     kwargs = {t: val for t, (_, val) in values.items() if not t.startswith(".")}
-    if opts.get("beam_width", 1) != 1:
-        name = values[".beam_width"][0]
-        raise ValueError(f"{name}: only 1 is supported (no beam search / parallel sampling)")
+    for opt in ("beam_width", "best_of"):
+        if opts.get(opt, 1) != 1:
+            name = values["." + opt][0]
+            raise ValueError(f"{name}: only 1 is supported (no beam search / parallel sampling)")
     returns = {f: opts.get(f"return_{f}") for f in RETURN_FIELDS}
     if returns["cumulative_logprob"]:
         kwargs["logprobs"] = True
+    _resolve_top_logprobs(kwargs, bool(returns["logprobs"]))
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:  # the engine names its field; name it as the client did
@@ -217,6 +231,16 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
     if req.chat:
         req.messages = parse_messages(prompt)
     return req
+
+
+def _resolve_top_logprobs(kwargs: dict, returned: bool) -> None:
+    """Per-token logprobs are computed only when the `logprobs` output is asked for (the vLLM
+    backend's `return_logprobs`), then with k alternatives (0 = the chosen token alone when
+    sampling_parameters names none). Without it they are never sent, so not computed."""
+    if not returned:
+        kwargs.pop("top_logprobs", None)
+    elif kwargs.get("top_logprobs") is None:
+        kwargs["top_logprobs"] = 0
 
 
 def parse_messages(text: str) -> list[dict]:

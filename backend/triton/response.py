@@ -6,6 +6,7 @@ prompt prepended unless exclude_input_in_output (the TensorRT-LLM / vLLM backend
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,10 @@ class StreamState:
     cancelled: bool = False
     abort_error: str | None = None  # set when the server aborts it (shutdown)
     last_cancel_check: float = 0.0
+    # Tokens generated but not yet reported on a sent response (streaming skips empty text
+    # deltas; non-streaming sends once): their logprobs, and how many tokens were reported.
+    pending_logprobs: list = field(default_factory=list)
+    reported_output_tokens: int = 0
 
 
 def _bytes(s: str) -> np.ndarray:
@@ -49,15 +54,33 @@ def _fields(state: StreamState, out: RequestOutput, final: bool) -> dict:
         elif name == "cumulative_logprob":
             if out.cumulative_logprob is not None:
                 d[name] = np.array([out.cumulative_logprob], dtype=np.float32)
+        elif name == "num_output_tokens" and flag is True:
+            # on every response (vLLM backend contract): the tokens since the previous
+            # response, so a client (the OpenAI frontend's streaming usage) can sum them
+            d[name] = np.array([out.num_output_tokens - state.reported_output_tokens], np.int32)
         else:
             d[name] = np.array([getattr(out, name)], dtype=np.int32)
     return d
+
+
+def _logprobs_field(state: StreamState) -> dict:
+    """The `logprobs` output (return_logprobs): JSON, one object per token of this response,
+    token id -> {"logprob", "rank", "decoded_token"} for the chosen token and the top k (the
+    vLLM backend's format, which Triton's OpenAI frontend reads)."""
+    if not state.req.returns.get("logprobs") or (
+            state.requested is not None and "logprobs" not in state.requested):
+        return {}
+    body = [{str(tid): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.decoded_token}
+             for tid, t in pos.as_vllm_dict().items()} for pos in state.pending_logprobs]
+    return {"logprobs": _bytes(json.dumps(body))}
 
 
 def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
     """The output tensors to send for `out`, or None when nothing is due (an empty streaming
     delta, or a non-streaming request that has not finished)."""
     final = out.finished
+    if out.logprobs:
+        state.pending_logprobs.extend(out.logprobs)
     if not state.req.stream:
         state.text.append(out.text)
         if not final:
@@ -71,6 +94,9 @@ def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
             return None
     d = {"text_output": _bytes(text)}
     d.update(_fields(state, out, final))
+    d.update(_logprobs_field(state))
+    state.pending_logprobs = []
+    state.reported_output_tokens = out.num_output_tokens
     return d
 
 

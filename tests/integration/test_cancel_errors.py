@@ -166,7 +166,7 @@ INPUTS = {  # config.pbtxt: name -> (datatype, a valid value)
     "ignore_eos": ("BOOL", False), "exclude_input_in_output": ("BOOL", True),
     "chat": ("BOOL", False), "beam_width": ("INT32", 1), "return_finish_reason": ("BOOL", True),
     "return_num_input_tokens": ("BOOL", True), "return_num_output_tokens": ("BOOL", True),
-    "return_cumulative_logprob": ("BOOL", True),
+    "return_cumulative_logprob": ("BOOL", True), "return_logprobs": ("BOOL", True),
 }
 NP = {"BYTES": object, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64,
       "BOOL": np.bool_, "INT64": np.int64}
