@@ -192,7 +192,8 @@ class LLMEngine:
     @property
     def needs_recovery(self) -> bool:
         """A tensor-parallel worker died: the group must be rebuilt before the next step."""
-        return self.group is not None and not self.group.closed and not self.group.workers_alive()
+        return self.group is not None and not self.group.closed and (
+            self.group.step_failed or not self.group.workers_alive())
 
     def recover(self) -> None:
         """Rebuild the TP group after a worker died. Requests in flight must have been failed
@@ -320,9 +321,17 @@ class LLMEngine:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """One forward pass on every rank; logits (rank 0's) for inputs.logits_indices."""
-        if self.group is not None:
+        if self.group is None:
+            return self.runner.forward(inputs)
+        try:
             self.group.broadcast(inputs)
-        return self.runner.forward(inputs)
+            return self.runner.forward(inputs)
+        except Exception:
+            # The other ranks are gone or stuck mid-step: rebuild before the next step. A dead
+            # rank's channel may still look open here (a killed process's sockets close one by
+            # one as it exits; the collective's can fail first).
+            self.group.step_failed = True
+            raise
 
     def _collective_seconds(self) -> float:
         return self.group.comm.seconds if self.group is not None else 0.0

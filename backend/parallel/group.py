@@ -65,6 +65,9 @@ class TPGroup:
         self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
         self.comm = None
         self.closed = False
+        # Set by the engine when a step failed with this group (a rank died or a collective
+        # timed out): the group is unusable, whatever its processes and channels show yet.
+        self.step_failed = False
         try:  # a start that fails half-way still removes what it made (segment, store, workers)
             self._spawn_workers()
         except BaseException:
