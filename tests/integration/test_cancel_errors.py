@@ -35,8 +35,10 @@ def test_grpc_cancel_frees_kv(server):
     client.stop_stream(cancel_requests=True)  # gRPC stream cancel
     client.close()
     t0 = time.monotonic()
-    assert server.wait_metric(KV, lambda v: v == idle, timeout=10) == idle
-    assert time.monotonic() - t0 < 5
+    # Freed by the cancellation, not by the end of the 2000-token generation (minutes); the
+    # bound leaves a loaded machine room for the responder's poll and the engine's next step.
+    assert server.wait_metric(KV, lambda v: v == idle, timeout=20) == idle
+    assert time.monotonic() - t0 < 20
     assert server.wait_metric("llm_requests_total", lambda v: v > aborts,
                               finish_reason="abort") == aborts + 1
     assert server.metric("llm_num_requests_running") == 0
