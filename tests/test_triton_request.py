@@ -55,7 +55,8 @@ def test_defaults_follow_vllm():
     r = parse_request({"text_input": b("x")})
     assert (r.params.max_tokens, r.params.temperature, r.stream) == (16, 1.0, False)
     assert r.returns == {"finish_reason": None, "num_input_tokens": None,
-                         "num_output_tokens": None, "cumulative_logprob": None}
+                         "num_output_tokens": None, "cumulative_logprob": None,
+                         "num_cached_tokens": None}
 
 
 def test_return_cumulative_logprob_turns_on_logprobs():

@@ -17,6 +17,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
 
 
@@ -32,12 +33,14 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def extend(self, out: RequestOutput) -> None:
         self.text += out.text
         self.token_ids.extend(out.token_ids)
         self.num_output_tokens = out.num_output_tokens
         self.cumulative_logprob = out.cumulative_logprob
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason

@@ -47,15 +47,18 @@ FIELDS: dict[str, tuple[str, str]] = {
     "return_num_input_tokens": ("bool", ".return_num_input_tokens"),
     "return_num_output_tokens": ("bool", ".return_num_output_tokens"),
     "return_cumulative_logprob": ("bool", ".return_cumulative_logprob"),
+    "return_num_cached_tokens": ("bool", ".return_num_cached_tokens"),
 }
 # Input tensors of config.pbtxt besides text_input / sampling_parameters (all optional).
 TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p",
                  "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                  "random_seed", "stop_words", "ignore_eos", "stream", "exclude_input_in_output",
                  "chat", "beam_width", "return_finish_reason", "return_num_input_tokens",
-                 "return_num_output_tokens", "return_cumulative_logprob")
+                 "return_num_output_tokens", "return_cumulative_logprob",
+                 "return_num_cached_tokens")
 ALL_INPUTS = ("text_input", "sampling_parameters", *TENSOR_INPUTS)
-RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob")
+RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
+                 "num_cached_tokens")
 
 
 @dataclass
