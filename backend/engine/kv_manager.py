@@ -60,6 +60,9 @@ class KVCacheManager:
         """Keyed blocks (owned or evictable): what a new prompt can hit."""
         return len(self._block_of)
 
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
