@@ -123,6 +123,16 @@ def test_streaming_sends_deltas_and_usage_on_the_final():
     assert d["num_input_tokens"][0] == 2 and d["num_output_tokens"][0] == 3
 
 
+def test_num_cached_tokens_only_when_asked_for():
+    out = _out("b", 3, finished=True)
+    out.num_cached_tokens = 32
+    assert "num_cached_tokens" not in tensors_for(_state(stream=True), out)
+    d = tensors_for(_state(stream=True, return_num_cached_tokens=True), _out(" a", 2))
+    assert d["num_cached_tokens"].dtype == np.int32  # on every response once asked for
+    d = tensors_for(_state(stream=True, return_num_cached_tokens="true"), out)
+    assert d["num_cached_tokens"][0] == 32
+
+
 def test_non_streaming_prepends_prompt_unless_excluded():
     s = _state()
     assert tensors_for(s, _out(" a", 1)) is None
