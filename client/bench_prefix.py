@@ -16,7 +16,7 @@ setting, one after the other (never both running). TTFT is measured by the clien
 from __future__ import annotations
 
 import random
-import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -215,7 +215,8 @@ def run(args) -> dict:
             target = ServerTarget(args, caching, tokenizer)
             try:
                 for name, job in jobs:
-                    results[name]["on" if caching else "off"] = job(target)
+                    results[name]["on" if caching else "off"] = _progress(name, caching, job,
+                                                                          target)
             finally:
                 target.close()
     else:  # both engines loaded; each workload on one, then the other
@@ -223,7 +224,7 @@ def run(args) -> dict:
         try:
             for name, job in jobs:
                 for key, target in targets.items():
-                    results[name][key] = job(target)
+                    results[name][key] = _progress(name, key == "on", job, target)
         finally:
             for t in targets.values():
                 t.close()
@@ -231,6 +232,13 @@ def run(args) -> dict:
         r["same_text"] = r["on"].pop("texts") == r["off"].pop("texts")
     return {"info": bu.run_info(args.threads, args.dtype, str(model_dir)), "results": results,
             "mode": "server" if args.server else "offline"}
+
+
+def _progress(name: str, caching: bool, job, target) -> dict:
+    r = job(target)
+    print(f"{name}, caching {'on' if caching else 'off'}: {r['wall_s']:.1f}s", file=sys.stderr,
+          flush=True)
+    return r
 
 
 def report(data: dict, args) -> str:
