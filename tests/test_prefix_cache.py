@@ -176,7 +176,7 @@ def test_random_finish_abort_preempt_never_leaks_nor_reads_stale_kv():
 def engines(tiny_text_model):
     kw = dict(model=str(tiny_text_model), num_kv_blocks=96, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=64)
-    on, off = LLM(**kw), LLM(**kw, enable_prefix_caching=False)
+    on, off = LLM(**kw), LLM(**kw, enable_prefix_caching=False, warmup=False)  # off: reference
     yield on, off
     on.close(), off.close()
 
@@ -225,7 +225,7 @@ def test_concurrent_requests_share_a_prefix_still_being_prefilled(tiny_text_mode
               max_num_batched_tokens=16)
     system = _ids(45, 4)
     prompts = [system + _ids(4, 40 + i) for i in range(4)]
-    with LLM(**kw) as on, LLM(**kw, enable_prefix_caching=False) as off:
+    with LLM(**kw) as on, LLM(**kw, enable_prefix_caching=False, warmup=False) as off:
         got, want = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert got[0].num_cached_tokens == 0 and max(o.num_cached_tokens for o in got) > 0
@@ -239,7 +239,7 @@ def test_kv_pressure_with_caching_on(tiny_text_model):
     prompts = [system + _ids(3 + i % 4, 50 + i) for i in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     with LLM(model=str(tiny_text_model), num_kv_blocks=256, block_size=4,
-             enable_prefix_caching=False) as roomy:
+             enable_prefix_caching=False, warmup=False) as roomy:
         want = [o.token_ids for o in roomy.generate(prompts, sp)]
     with LLM(model=str(tiny_text_model), num_kv_blocks=20, block_size=4,
              max_num_batched_tokens=16) as tight:
@@ -278,7 +278,7 @@ def test_tensor_parallel_follows_rank_zero(tiny_text_model):
     prompts = [system + _ids(5, 70 + i) for i in range(3)]
     kw = dict(model=str(tiny_text_model), num_kv_blocks=64, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=64)
-    with LLM(**kw, enable_prefix_caching=False) as off:
+    with LLM(**kw, enable_prefix_caching=False, warmup=False) as off:
         want = [o.token_ids for o in _one_by_one(off, prompts)]
     with LLM(**kw, tensor_parallel_size=2, warmup=False) as tp:  # warmup: tested at TP 1
         got = _one_by_one(tp, prompts)
