@@ -84,14 +84,41 @@ def _cmd_bench_clients(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_clients")
 
 
+def _cmd_bench_prefix(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("prefix", help="prefix caching on vs off: shared system prompt, "
+                                        "multi-turn chat, no shared prefix")
+    _runtime_args(p)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--server", action="store_true",
+                   help="through tritonserver (one server per setting) instead of offline")
+    p.add_argument("--requests", type=int, default=64, help="(a) requests (default 64)")
+    p.add_argument("--system-len", type=int, default=1000, help="(a) system prompt tokens")
+    p.add_argument("--question-len", type=int, default=24, help="(a) question tokens")
+    p.add_argument("--output-len", type=int, default=64, help="(a) output tokens")
+    p.add_argument("--concurrency", type=ints, default=[1, 8], help="(a) comma list (1,8)")
+    p.add_argument("--conversations", type=int, default=8, help="(b) conversations")
+    p.add_argument("--turns", type=int, default=6, help="(b) turns per conversation")
+    p.add_argument("--turn-len", type=int, default=40, help="(b) new tokens per turn")
+    p.add_argument("--turn-output-len", type=int, default=32, help="(b) output tokens per turn")
+    p.add_argument("--random-requests", type=int, default=64, help="(c) requests")
+    p.add_argument("--random-in", type=int, default=256, help="(c) prompt tokens")
+    p.add_argument("--random-out", type=int, default=128, help="(c) output tokens")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine")
+    p.add_argument("--quick", action="store_true", help="toy sizes, for smoke tests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/prefix-<ts>.json)")
+    p.set_defaults(runner="client.bench_prefix")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart,clients}")
+                             metavar="{offline,tp,coldstart,clients,prefix}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
     _cmd_bench_clients(bench)
+    _cmd_bench_prefix(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -26,11 +26,12 @@ for _n in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
     DTYPES[_n] = "FP32"
 for _n in ("stream", "ignore_eos", "exclude_input_in_output", "chat", "return_finish_reason",
            "return_num_input_tokens", "return_num_output_tokens", "return_cumulative_logprob",
-           "return_logprobs"):
+           "return_logprobs", "return_num_cached_tokens"):
     DTYPES[_n] = "BOOL"
 NP = {"BYTES": np.object_, "UINT64": np.uint64, "INT32": np.int32, "FP32": np.float32,
       "BOOL": np.bool_}
-OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob")
+OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
+           "num_cached_tokens")
 DEFAULT_URL = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
 

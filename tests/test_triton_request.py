@@ -56,7 +56,7 @@ def test_defaults_follow_vllm():
     assert (r.params.max_tokens, r.params.temperature, r.stream) == (16, 1.0, False)
     assert r.returns == {"finish_reason": None, "num_input_tokens": None,
                          "num_output_tokens": None, "cumulative_logprob": None,
-                         "logprobs": None}
+                         "logprobs": None, "num_cached_tokens": None}
     assert r.params.top_logprobs is None and not r.params.logprobs
 
 
@@ -122,6 +122,16 @@ def test_streaming_sends_deltas_and_usage_on_the_final():
     d = tensors_for(s, _out("b", 3, finished=True))
     assert d["text_output"][0] == b"b" and d["finish_reason"][0] == b"length"
     assert d["num_input_tokens"][0] == 2 and d["num_output_tokens"][0] == 3
+
+
+def test_num_cached_tokens_only_when_asked_for():
+    out = _out("b", 3, finished=True)
+    out.num_cached_tokens = 32
+    assert "num_cached_tokens" not in tensors_for(_state(stream=True), out)
+    d = tensors_for(_state(stream=True, return_num_cached_tokens=True), _out(" a", 2))
+    assert d["num_cached_tokens"].dtype == np.int32  # on every response once asked for
+    d = tensors_for(_state(stream=True, return_num_cached_tokens="true"), out)
+    assert d["num_cached_tokens"][0] == 32
 
 
 def test_non_streaming_prepends_prompt_unless_excluded():

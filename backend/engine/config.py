@@ -27,6 +27,8 @@ class EngineConfig:
     # CPU float32: a second, MKL-packed copy of every linear weight for the full decode batch
     # (max_num_seqs rows), whose GEMMs then run ~27% faster; costs the weights' memory once more
     cpu_packed_gemm: bool = True
+    # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
+    enable_prefix_caching: bool = True
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
     device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)

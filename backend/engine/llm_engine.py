@@ -113,7 +113,7 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.plan)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -201,6 +201,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         log.warning("rebuilding the tensor-parallel group")
         self.group.restart()
+        self.kv.reset_prefix_cache()  # the new workers' caches are empty; warmup overwrites ours
         self.runner.reset_decode_graphs()  # captured with the old group's communicator
         if self.config.warmup:  # the new workers warm up too; not a cold path of serving
             self.cold_path.ready = False
@@ -306,6 +307,7 @@ class LLMEngine:
         comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)  # their K/V are written now: others may share them
             seq.model_seconds += t1 - t0
             seq.collective_seconds += comm_s
         outputs = []
@@ -317,6 +319,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
+        self.stats.prefix_cache_queries += sched.prefix_queries
+        self.stats.prefix_cache_hits += sched.prefix_hits
         return outputs
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
@@ -375,7 +379,7 @@ class LLMEngine:
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs else None,
-            stop_reason=seq.stop_reason,
+            stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens or 0,
             metrics=_metrics(seq) if seq.finish_reason is not None else None)
 
 

@@ -19,6 +19,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
     # One entry per token in token_ids when params.top_logprobs is set, else None.
     logprobs: list[PositionLogprobs] | None = None
@@ -37,6 +38,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
     logprobs: list[PositionLogprobs] | None = None  # per generated token (params.top_logprobs)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def extend(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -45,6 +47,7 @@ class CompletionOutput:
         self.token_ids.extend(out.token_ids)
         self.num_output_tokens = out.num_output_tokens
         self.cumulative_logprob = out.cumulative_logprob
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason

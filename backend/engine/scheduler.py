@@ -4,6 +4,10 @@ Every step has a token budget (max_num_batched_tokens). Running decodes go first
 each, so a long prompt never stalls them), then running prompts continue in chunks, then
 waiting requests join in arrival order. When KV blocks run out, the youngest running sequence
 is preempted: its blocks are freed and it is recomputed later (its tokens are kept).
+
+With prefix caching, a request joining the batch first shares the cached blocks of its longest
+cached prefix (kv_manager.match_prefix) and computes only the rest, in chunks as usual; a
+preempted sequence finds its own blocks again if they were not evicted meanwhile.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from backend.engine.sequence import Sequence, Status
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
     preempted: list[Sequence]
+    prefix_queries: int = 0  # tokens of the requests admitted this step (caching on)
+    prefix_hits: int = 0  # ... of which served from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +64,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
+        queries = hits = 0
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
@@ -78,12 +85,20 @@ class Scheduler:
                 budget -= n
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                n = min(seq.num_uncomputed, budget)
+                seq = self.waiting[0]  # holds no blocks, has computed nothing
+                prefix = self.kv.match_prefix(seq)
+                cached = len(prefix) * self.kv.block_size
+                n = min(seq.num_tokens - cached, budget)
                 reserve = self.watermark if self.running else 0
-                if not self.kv.allocate(seq, seq.num_computed_tokens + n, reserve=reserve):
+                if not self.kv.allocate(seq, cached + n, reserve=reserve, prefix=prefix):
                     break  # FCFS: nobody overtakes the oldest waiting request
                 self.waiting.pop(0)
+                seq.num_computed_tokens = cached
+                if seq.num_cached_tokens is None:  # a recompute after preemption keeps the first
+                    seq.num_cached_tokens = cached
+                if self.kv.enable_caching:
+                    queries += seq.num_tokens
+                    hits += cached
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.arrival)
                 scheduled[seq] = n
@@ -91,7 +106,7 @@ class Scheduler:
         out = list(scheduled.items())
         if self.plan is not None:
             self._trim_to_bucket(out)
-        return SchedulerOutput(out, preempted)
+        return SchedulerOutput(out, preempted, queries, hits)
 
     def _trim_to_bucket(self, out: list[tuple[Sequence, int]]) -> None:
         """Shorten the last prompt chunk so the step's token count is exactly a bucket: the

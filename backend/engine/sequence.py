@@ -28,6 +28,11 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    # prefix caching (kv_manager): keys of the full blocks so far, how many of block_table's
+    # leading blocks are keyed, prompt tokens served from the cache at first admission
+    block_keys: list[bytes] = field(default_factory=list)
+    num_keyed_blocks: int = 0
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0

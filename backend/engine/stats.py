@@ -16,6 +16,8 @@ class EngineStats:
     warmup_seconds: float = 0.0
     recoveries: int = 0  # tensor-parallel groups rebuilt after a worker died
     collective_seconds: float = 0.0  # part of model_seconds spent in TP collectives (rank 0)
+    prefix_cache_queries: int = 0  # tokens of requests admitted with prefix caching on
+    prefix_cache_hits: int = 0  # ... of which served from cached blocks (hit rate: the ratio)
 
     def record_step(self, tokens: int, sampled: int, model_s: float, sample_s: float,
                     preempted: int, collective_s: float = 0.0) -> None:

@@ -30,6 +30,10 @@ COUNTERS = {
     "llm_model_seconds_total": "Engine time in steps: scheduling, input prep and forward passes",
     "llm_collective_seconds_total": "Part of llm_model_seconds_total spent in tensor-parallel "
                                     "collectives (rank 0's view: waiting for a slower rank counts)",
+    "llm_prefix_cache_queries_total": "Tokens of requests looked up in the prefix cache when "
+                                      "they joined the batch (a recompute after preemption again)",
+    "llm_prefix_cache_hits_total": "Of llm_prefix_cache_queries_total, tokens served from cached "
+                                   "KV blocks (hit rate: hits / queries)",
 }
 GAUGES = {
     "llm_num_requests_running": "Requests in the running batch",
@@ -89,7 +93,8 @@ class Metrics:
     # ---- engine snapshot (response thread, rate-limited) ------------------------------------
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
-        (steps, sampled_tokens, preemptions, cold_path, model_seconds, collective_seconds)."""
+        (steps, sampled_tokens, preemptions, cold_path, model_seconds, collective_seconds,
+        prefix_cache_queries, prefix_cache_hits)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
             return
@@ -104,7 +109,9 @@ class Metrics:
                           ("preemptions", "llm_preemptions_total"),
                           ("cold_path", "llm_cold_path_events_total"),
                           ("model_seconds", "llm_model_seconds_total"),
-                          ("collective_seconds", "llm_collective_seconds_total")):
+                          ("collective_seconds", "llm_collective_seconds_total"),
+                          ("prefix_cache_queries", "llm_prefix_cache_queries_total"),
+                          ("prefix_cache_hits", "llm_prefix_cache_hits_total")):
             v = snapshot.get(key)
             if v is None:
                 continue
@@ -136,4 +143,6 @@ def engine_snapshot(engine) -> dict[str, float]:
         "preemptions": stats.preemptions,
         "cold_path": cold.total if (cold := getattr(engine, "cold_path", None)) else None,
         "model_seconds": stats.model_seconds, "collective_seconds": stats.collective_seconds,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
     }

@@ -24,6 +24,7 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "device": (str, "device"),  # usually set by the instance kind (placement.engine_device)
     "cuda_graphs": (bool, "cuda_graphs"),
     "cpu_packed_gemm": (bool, "cpu_packed_gemm"),
+    "enable_prefix_caching": (bool, "enable_prefix_caching"),
     # TP across hosts (docs/parallelism.md): the other hosts run `python -m backend.parallel.node`
     "tp_local_ranks": (int, "tp_local_ranks"),
     "tp_master_addr": (str, "tp_master_addr"),

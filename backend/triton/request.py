@@ -54,16 +54,18 @@ FIELDS: dict[str, tuple[str, str]] = {
     "return_logprobs": ("bool", ".return_logprobs"),
     "logprobs": ("count", "top_logprobs"),
     "top_logprobs": ("int", "top_logprobs"),
+    "return_num_cached_tokens": ("bool", ".return_num_cached_tokens"),
 }
 # Input tensors of config.pbtxt besides text_input / sampling_parameters (all optional).
 TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p",
                  "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                  "random_seed", "stop_words", "ignore_eos", "stream", "exclude_input_in_output",
                  "chat", "beam_width", "return_finish_reason", "return_num_input_tokens",
-                 "return_num_output_tokens", "return_cumulative_logprob", "return_logprobs")
+                 "return_num_output_tokens", "return_cumulative_logprob", "return_logprobs",
+                 "return_num_cached_tokens")
 ALL_INPUTS = ("text_input", "sampling_parameters", *TENSOR_INPUTS)
 RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
-                 "logprobs")
+                 "logprobs", "num_cached_tokens")
 
 
 @dataclass

@@ -44,7 +44,8 @@ def _bytes(s: str) -> np.ndarray:
 
 def _fields(state: StreamState, out: RequestOutput, final: bool) -> dict:
     d = {}
-    for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob"):
+    for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
+                 "num_cached_tokens"):  # num_cached_tokens: only when asked for
         flag = state.req.returns.get(name)
         want = flag is True or (flag is None and final and name in FINAL_BY_DEFAULT)
         if not want or (state.requested is not None and name not in state.requested):

@@ -1,0 +1,282 @@
+"""`python -m client bench prefix`: automatic prefix caching on vs off, in the same run.
+
+Workloads (text prompts; greedy with ignore_eos, so both settings do the same decode work):
+ (a) shared system prompt: one ~S-token system prompt + N different ~Q-token questions, O output
+     tokens each, at each concurrency (a closed loop: each client sends its next request when
+     its previous one finished);
+ (b) multi-turn chat: C conversations x T turns, the conversations concurrent, each turn
+     resending the whole history (earlier messages and answers, as text) plus ~40 new tokens;
+ (c) no shared prefix: N random prompts of I tokens, O' output tokens each, all in flight at
+     once: what caching costs when nothing hits.
+Each workload gets its own system prompt / texts, so no run finds another's prefix cached.
+Offline: two engines in this process (caching on, off), each behind AsyncEngine (its own thread,
+as in the server), each workload run on one then the other. --server: one tritonserver per
+setting, one after the other (never both running). TTFT is measured by the client.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from client import benchutil as bu
+
+WORDS = ("river harbor lantern copper meadow signal orbit basket engine violet thunder pocket "
+         "garden silver market ladder winter canyon pepper rocket marble forest window candle "
+         "bridge velvet island shadow timber crystal saddle falcon pillow mirror quartz walnut "
+         "anchor blossom compass desert ember glacier harvest jungle kettle lemon magnet nectar "
+         "oyster paddle quiver ribbon sparrow tunnel umbrella valley whistle yonder zephyr").split()
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    cached_tokens: int
+    text: str
+
+
+def make_text(tokenizer, rng: random.Random, n: int) -> str:
+    """Random words cut to (about) n tokens."""
+    words = " ".join(rng.choice(WORDS) for _ in range(n))
+    return tokenizer.decode(tokenizer.encode(words)[:n])
+
+
+class OfflineTarget:
+    """An engine in this process behind AsyncEngine."""
+
+    def __init__(self, args, caching: bool):
+        from backend.engine.async_engine import AsyncEngine
+        from backend.engine.config import EngineConfig
+        from backend.engine.llm_engine import LLMEngine
+        self.engine = LLMEngine(EngineConfig(
+            model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=64,
+            kv_cache_memory_gb=args.kv_cache_gb, enable_prefix_caching=caching),
+            defer_warmup=True)
+        self.async_engine = AsyncEngine(self.engine, warm_up=True)
+        self.async_engine.wait_ready()
+        self.tokenizer = self.engine.tokenizer
+        self._ids = iter(range(1 << 62))
+        self._lock = threading.Lock()
+
+    def submit(self, prompt: str, max_tokens: int) -> Result:
+        from backend import SamplingParams
+        with self._lock:
+            rid = f"r{next(self._ids)}"
+        t0 = time.perf_counter()
+        stream = self.async_engine.add_request(rid, prompt, SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        ttft, text, n, out = None, [], 0, None
+        for out in stream:
+            if out.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(out.text)
+            n = out.num_output_tokens
+        assert out.finish_reason == "length", out
+        return Result(ttft, time.perf_counter() - t0, n, out.num_cached_tokens, "".join(text))
+
+    def counters(self) -> tuple[float, float]:
+        s = self.engine.stats
+        return s.prefix_cache_queries, s.prefix_cache_hits
+
+    def close(self) -> None:
+        self.async_engine.shutdown()
+        self.engine.close()
+
+
+class ServerTarget:
+    """A tritonserver on free ports with enable_prefix_caching set."""
+
+    def __init__(self, args, caching: bool, tokenizer):
+        from client.server import Server, make_repo
+        params = {"enable_prefix_caching": str(caching).lower(), "num_threads": str(args.threads),
+                  "dtype": args.dtype, "max_num_seqs": "64",
+                  "kv_cache_memory_gb": str(args.kv_cache_gb)}
+        if args.model:
+            params["model"] = str(Path(args.model).resolve())
+        self._dir = tempfile.TemporaryDirectory(prefix="tpllm-bench-prefix-")
+        d = Path(self._dir.name)
+        self.server = Server(make_repo(d / "repo", params), d / "server.log")
+        self.server.wait_ready()
+        self.tokenizer = tokenizer
+
+    def submit(self, prompt: str, max_tokens: int) -> Result:
+        from client.generate import generate
+        first: list[float] = []
+        t0 = time.perf_counter()
+        out = generate({"text_input": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True, "return_num_cached_tokens": True},
+                       "grpc", self.server.grpc_url,
+                       on_text=lambda _: first or first.append(time.perf_counter()))
+        e2e = time.perf_counter() - t0
+        return Result(first[0] - t0 if first else e2e, e2e, int(out["num_output_tokens"]),
+                      int(out.get("num_cached_tokens", 0)), out["text"])
+
+    def counters(self) -> tuple[float, float]:
+        # the counters are refreshed from the engine every 0.1 s: let the last request land
+        time.sleep(0.3)
+        return (self.server.metric("llm_prefix_cache_queries_total"),
+                self.server.metric("llm_prefix_cache_hits_total"))
+
+    def close(self) -> None:
+        self.server.stop()
+        self._dir.cleanup()
+
+
+def closed_loop(target, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    results: list[Result | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            results[i] = target.submit(prompts[i], max_tokens)
+    return _timed(target, [client] * concurrency, lambda: results)
+
+
+def multi_turn(target, openings: list[str], turns: list[list[str]], max_tokens: int) -> dict:
+    results: dict[tuple[int, int], Result] = {}
+
+    def conversation(c: int):
+        history = openings[c]
+        for t, msg in enumerate(turns[c]):
+            prompt = f"{history}\nUser: {msg}\nAssistant:"
+            results[(c, t)] = r = target.submit(prompt, max_tokens)
+            history = prompt + r.text
+    return _timed(target, [lambda c=c: conversation(c) for c in range(len(openings))],
+                  lambda: [results.get((c, t)) for c in range(len(openings))
+                           for t in range(len(turns[c]))])
+
+
+def _timed(target, clients, results) -> dict:
+    q0, h0 = target.counters()
+    threads = [threading.Thread(target=c) for c in clients]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    q1, h1 = target.counters()
+    rs = results()
+    assert all(r is not None for r in rs), "a request failed"
+    ttft = bu.percentiles([r.ttft_s for r in rs], (50, 90))
+    e2e = bu.percentiles([r.e2e_s for r in rs], (50, 90))
+    out = sum(r.output_tokens for r in rs)
+    return {"wall_s": wall, "ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"],
+            "e2e_p50_s": e2e["p50"], "e2e_p90_s": e2e["p90"], "output_tok_s": out / wall,
+            "requests": len(rs), "cached_tokens": sum(r.cached_tokens for r in rs),
+            "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+            "texts": [r.text for r in rs]}
+
+
+def workloads(args, tokenizer) -> list[tuple[str, callable]]:
+    """(name, run(target)) in order; every text is fixed by the seed."""
+    rng = random.Random(args.seed)
+    out = []
+    for c in args.concurrency:
+        system = make_text(tokenizer, rng, args.system_len)
+        prompts = [f"{system}\nQuestion {i}: {make_text(tokenizer, rng, args.question_len)}"
+                   for i in range(args.requests)]
+        out.append((f"(a) system prompt, c={c}",
+                    lambda t, p=prompts, c=c: closed_loop(t, p, c, args.output_len)))
+    openings = [f"Conversation {c}. {make_text(tokenizer, rng, args.turn_len)}"
+                for c in range(args.conversations)]
+    turns = [[make_text(tokenizer, rng, args.turn_len) for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    out.append((f"(b) multi-turn {args.conversations}x{args.turns}",
+                lambda t: multi_turn(t, openings, turns, args.turn_output_len)))
+    randoms = [f"{i} {make_text(tokenizer, rng, args.random_in - 2)}"
+               for i in range(args.random_requests)]
+    out.append((f"(c) no shared prefix, {args.random_requests} at once",
+                lambda t: closed_loop(t, randoms, args.random_requests, args.random_out)))
+    return out
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from backend.engine.llm_engine import resolve_model_dir
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    jobs = workloads(args, tokenizer)
+    results: dict[str, dict] = {name: {} for name, _ in jobs}
+    if args.server:  # one server at a time: on, then off
+        for caching in (True, False):
+            target = ServerTarget(args, caching, tokenizer)
+            try:
+                for name, job in jobs:
+                    results[name]["on" if caching else "off"] = _progress(name, caching, job,
+                                                                          target)
+            finally:
+                target.close()
+    else:  # both engines loaded; each workload on one, then the other
+        targets = {"on": OfflineTarget(args, True), "off": OfflineTarget(args, False)}
+        try:
+            for name, job in jobs:
+                for key, target in targets.items():
+                    results[name][key] = _progress(name, key == "on", job, target)
+        finally:
+            for t in targets.values():
+                t.close()
+    for r in results.values():
+        r["same_text"] = r["on"].pop("texts") == r["off"].pop("texts")
+    return {"info": bu.run_info(args.threads, args.dtype, str(model_dir)), "results": results,
+            "mode": "server" if args.server else "offline"}
+
+
+def _progress(name: str, caching: bool, job, target) -> dict:
+    r = job(target)
+    print(f"{name}, caching {'on' if caching else 'off'}: {r['wall_s']:.1f}s", file=sys.stderr,
+          flush=True)
+    return r
+
+
+def report(data: dict, args) -> str:
+    rows, ratios = [], []
+    for name, r in data["results"].items():
+        for key in ("on", "off"):
+            x = r[key]
+            rows.append([f"{name} {key}", f"{x['wall_s']:.1f}", f"{1e3 * x['ttft_p50_s']:.0f}",
+                         f"{1e3 * x['ttft_p90_s']:.0f}", f"{1e3 * x['e2e_p50_s']:.0f}",
+                         f"{x['output_tok_s']:.1f}", f"{100 * x['hit_rate']:.0f}%",
+                         "yes" if r["same_text"] else "NO"])
+        on, off = r["on"], r["off"]
+        if name.startswith("(a)"):
+            ratios.append(bu.ratio_row(f"{name}: TTFT p50 on/off", on["ttft_p50_s"] /
+                                       off["ttft_p50_s"], 0.1, False))
+        elif name.startswith("(b)"):
+            ratios.append(bu.ratio_row(f"{name}: total time on/off", on["wall_s"] / off["wall_s"],
+                                       0.5, False))
+        else:
+            ratios.append(bu.ratio_row(f"{name}: output tok/s on/off", on["output_tok_s"] /
+                                       off["output_tok_s"], 0.98, True))
+    title = (f"prefix caching on vs off ({data['mode']}; greedy, ignore_eos; (a) {args.requests} x "
+             f"(~{args.system_len} + ~{args.question_len}) in / {args.output_len} out; (b) "
+             f"~{args.turn_len} new tokens a turn, {args.turn_output_len} out; (c) "
+             f"{args.random_in} in / {args.random_out} out)")
+    head = ["workload", "wall s", "TTFT p50 ms", "p90 ms", "e2e p50 ms", "out tok/s",
+            "hit rate", "same text"]
+    return "\n".join([bu.header_line(data["info"]), "", bu.table(title, head, rows), "",
+                      "ratios (on / off, same run):", bu.ratio_lines(ratios)])
+
+
+def main(args) -> int:
+    if args.quick:
+        args.requests, args.system_len, args.output_len = 4, 96, 4
+        args.conversations, args.turns, args.turn_output_len = 2, 2, 4
+        args.random_requests, args.random_in, args.random_out = 4, 32, 4
+    data = run(args)
+    print(report(data, args))
+    path = bu.write_json(args.out or bu.default_out("prefix"), data)
+    print(f"\nwrote {path}")
+    return 0
