@@ -87,19 +87,38 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa_flags() -> list[str]:
+    """The CPU's vector ISA flags that matter to the kernels (avx2, fma, avx512*, amx*)."""
+    from kernels import cpu_ext
+    return sorted(f for f in cpu_ext.cpu_flags()
+                  if f in ("avx2", "fma") or f.startswith(("avx512", "amx")))
+
+
+def kernel_isa() -> str:
+    """The C++ CPU kernels' variant this process dispatches to (TPLLM_CPU_ISA or the best the
+    CPU runs; TP workers and a server started with the same environment pick the same)."""
+    from kernels import cpu_ext
+    try:
+        return cpu_ext.isa_level()
+    except (RuntimeError, ValueError) as e:  # a forced level this CPU refuses
+        return f"refused ({e})"
+
+
 def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "dtype": dtype,
-            "model_dir": model_dir, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+            "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
+            "kernel_isa": kernel_isa(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
 
 
 def header_line(info: dict[str, Any]) -> str:
     return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
-            f"{info['omp_wait_policy']} | {info['dtype']} | {info['model_dir']} | "
-            f"{info['cpu']} ({info['cpu_count']} cpus) | {info['date']} | "
+            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')} | {info['dtype']} | "
+            f"{info['model_dir']} | {info['cpu']} ({info['cpu_count']} cpus; "
+            f"{' '.join(info.get('cpu_isa_flags', [])) or 'no AVX2'}) | {info['date']} | "
             f"load {info['loadavg_at_start']:.2f}")
 
 

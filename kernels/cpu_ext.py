@@ -1,71 +1,205 @@
-"""Builds (once) and loads the fused C++ CPU kernels in kernels/csrc (one module).
+"""Builds and loads the fused C++ CPU kernels in kernels/csrc, one module per x86 ISA level, and
+picks the best level the running CPU supports when the module loads (as ATen dispatches its own
+CPU kernels), instead of building for the build host's CPU (-march=native).
 
-The build is cached under the project cache dir, keyed by the source, torch version and CPU
-flags, so it happens at `make setup` (python -m kernels.cpu_ext) or the first start, never per
-process. Without a compiler the engine keeps the torch reference path and says so.
-Set TPLLM_CPU_KERNELS=0 to force the reference path; TPLLM_REQUIRE_CPU_KERNELS=1 (`make test`)
-turns a failed build into an error instead of the fallback.
+Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16: the bf16 GEMV's vdpbf16ps),
+avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FMA + F16C). The same sources build every variant:
+the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
+ones) and compute the same float32 bits on each (the bf16 GEMV differs: vdpbf16ps vs widened
+FMAs). `make setup` (python -m kernels.cpu_ext) builds all x86 variants, whatever CPU it runs
+on, so an image built on one host runs at full speed on another; a variant missing at load is
+built then. A CPU without AVX2 + FMA (or a non-x86 one) gets the portable "generic" build.
+
+Each build is cached under the project cache dir, keyed by the sources, the variant's flags
+and the torch and Python versions (not by the host's CPU). Without a compiler the engine keeps
+the torch reference path and says so.
+
+Environment:
+  TPLLM_CPU_KERNELS=0      the torch reference path (no C++ kernels)
+  TPLLM_REQUIRE_CPU_KERNELS=1  (`make test`) a failed build is an error, not the fallback
+  TPLLM_CPU_ISA=<variant>  force a variant (avx2, avx512, avx512_bf16, generic); one the CPU
+                           cannot run is refused with an error, never run
+`isa_level()` names the variant this process loaded (benchmarks print it).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import inspect
 import logging
 import os
+import platform
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))  # one module; headers (*.h) are included by them
-# fp-contract off: no fused multiply-adds, so results match the torch reference bit for bit
-# where the arithmetic is the same
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# fp-contract off: no fused multiply-adds but the kernels' explicit ones, so results match the
+# torch reference bit for bit where the arithmetic is the same, and every variant matches the
+# others (the explicit FMAs are the same on each)
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into this module; without the flag
 # it silently runs on one thread. The module links libgomp.so.1 by soname, so the process keeps
 # the single runtime torch already loaded (its thread pool and torch.set_num_threads apply).
 _LDFLAGS = ["-fopenmp"]
+ISA_ENV = "TPLLM_CPU_ISA"
+
+_V2 = ("sse4_2", "sse4_1", "ssse3", "popcnt", "cx16")
+_V3 = _V2 + ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "xsave")
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 
 
-def _cache_dir() -> Path:
-    import torch
-    flags = ""
+@dataclass(frozen=True)
+class Variant:
+    name: str  # the TPLLM_CPU_ISA value and the module's suffix
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the code may use
+
+    @property
+    def module(self) -> str:
+        return f"tpllm_cpu_kernels_{self.name}"
+
+
+X86_VARIANTS = (  # best first
+    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 + ("avx512_bf16",)),
+    Variant("avx512", ("-march=x86-64-v4",), _V4),
+    Variant("avx2", ("-march=x86-64-v3",), _V3),
+)
+GENERIC = Variant("generic", (), ())  # the portable code: the compiler's default target
+_IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def variants() -> tuple[Variant, ...]:
+    """Every variant this architecture has, best first."""
+    return (*X86_VARIANTS, GENERIC) if _IS_X86 else (GENERIC,)
+
+
+def _variant(name: str) -> Variant:
+    for v in variants():
+        if v.name == name:
+            return v
+    raise ValueError(f"{ISA_ENV}={name!r}: must be one of "
+                     f"{', '.join(v.name for v in variants())}")
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The running CPU's feature flags (Linux /proc/cpuinfo; else what torch's own dispatch
+    detected, which cannot tell AVX512-BF16)."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+        return frozenset(line.split(":", 1)[1].split())
     except (OSError, StopIteration):
-        pass
+        import torch
+        cap = torch.backends.cpu.get_cpu_capability()
+        return frozenset(_V4 if cap.startswith("AVX512") else _V3 if cap == "AVX2" else ())
+
+
+def can_run(v: Variant) -> bool:
+    return set(v.cpu_flags) <= cpu_flags()
+
+
+def runnable() -> list[str]:
+    """The variants this CPU can run, best first."""
+    return [v.name for v in variants() if can_run(v)]
+
+
+def selected_variant() -> Variant:
+    """TPLLM_CPU_ISA's variant if the CPU can run it (else an error), or the best it can run."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        v = _variant(forced)
+        if not can_run(v):
+            missing = sorted(set(v.cpu_flags) - cpu_flags())
+            raise RuntimeError(f"{ISA_ENV}={forced}: this CPU cannot run the {forced} kernels "
+                               f"(missing {', '.join(missing)}); it can run "
+                               f"{', '.join(runnable())}")
+        return v
+    return next(v for v in variants() if can_run(v))
+
+
+def _cache_dir(v: Variant) -> Path:
+    import torch
     # The source directory is part of the key: build.ninja names the sources by absolute path, so
     # two checkouts sharing one cache dir would rebuild each other's module on every load.
     sources = str(_CSRC).encode() + b"".join(
         p.read_bytes() for p in _SOURCES + sorted(_CSRC.glob("*.h")))
-    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + sys.version.encode()
-                         + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
+    flags = " ".join(_CFLAGS + list(v.cflags) + _LDFLAGS)
+    key = hashlib.sha256(sources + torch.__version__.encode() + sys.version.encode()
+                         + flags.encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits
     # below backend/ and may not import it.
     root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "tp-llm")
-    return Path(root).expanduser() / "cpu_kernels" / key
+    return Path(root).expanduser() / "cpu_kernels" / f"{v.name}-{key}"
 
 
-@lru_cache(maxsize=1)
-def load():
-    """The extension module, or None (disabled, or no working compiler)."""
-    if os.environ.get("TPLLM_CPU_KERNELS", "1") == "0":
-        return None
-    from torch.utils import cpp_extension
-    build_dir = _cache_dir()
+def _prepare(v: Variant) -> dict:
+    """cpp_extension's build arguments for variant v (its build dir created)."""
+    build_dir = _cache_dir(v)
     build_dir.mkdir(parents=True, exist_ok=True)
     # ninja may live beside the interpreter (a venv) without being on PATH
     bindirs = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
     os.environ["PATH"] = os.pathsep.join([*bindirs, os.environ.get("PATH", "")])
-    fresh = not any(build_dir.glob("*.so"))
-    if fresh:
-        log.info("building the C++ CPU kernels (one time) in %s", build_dir)
+    return dict(name=v.module, sources=[str(p) for p in _SOURCES],
+                extra_cflags=_CFLAGS + list(v.cflags), extra_ldflags=_LDFLAGS,
+                build_directory=str(build_dir), verbose=False)
+
+
+@contextmanager
+def _exclusive(build_dir: Path):
+    """One builder per build dir across processes. torch's own lock is a file in the build dir
+    that a killed build leaves behind, after which every later load of that variant waits for it
+    forever (seen here: a server start stuck until its test's timeout). A flock is released by
+    the kernel when its holder dies; whoever holds it is the only builder, so a torch lock file
+    found then is stale and goes."""
+    with open(build_dir / ".build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
+def build(name: str) -> Path:
+    """Compiles variant `name` without loading it (the CPU need not run it); returns its dir."""
+    from torch.utils import cpp_extension
+    v = _variant(name)
+    args = _prepare(v)
+    with _exclusive(Path(args["build_directory"])):
+        if can_run(v):
+            cpp_extension.load(**args)
+        else:  # compile only: importing code for another ISA may execute its instructions
+            fn = cpp_extension._write_ninja_file_and_build_library
+            params = inspect.signature(fn).parameters
+            extra = dict(extra_cuda_cflags=None, extra_sycl_cflags=None,
+                         extra_include_paths=None, with_cuda=False, with_sycl=False)
+            fn(**args, **{k: val for k, val in extra.items() if k in params})
+    return Path(args["build_directory"])
+
+
+_loaded: str | None = None  # the variant load() returned
+
+
+@lru_cache(maxsize=1)
+def load():
+    """The extension module of the selected variant, or None (disabled, or no working compiler).
+    Raises if TPLLM_CPU_ISA names a variant this CPU cannot run."""
+    global _loaded
+    if os.environ.get("TPLLM_CPU_KERNELS", "1") == "0":
+        return None
+    v = selected_variant()
+    from torch.utils import cpp_extension
+    args = _prepare(v)
+    if not any(Path(args["build_directory"]).glob("*.so")):
+        log.info("building the C++ CPU kernels (%s, one time) in %s", v.name,
+                 args["build_directory"])
     try:
-        return cpp_extension.load(name="tpllm_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                                  build_directory=str(build_dir),
-                                  verbose=False)
+        with _exclusive(Path(args["build_directory"])):
+            module = cpp_extension.load(**args)
     except Exception as e:  # no compiler / headers: the torch path still works
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if os.environ.get("TPLLM_REQUIRE_CPU_KERNELS") == "1":  # `make test`/CI: no silent fallback
@@ -73,8 +207,36 @@ def load():
                                "TPLLM_REQUIRE_CPU_KERNELS=1") from e
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference path", reason)
         return None
+    _loaded = v.name
+    log.info("C++ CPU kernels: %s variant", v.name)
+    return module
+
+
+def isa_level() -> str:
+    """The kernel variant this process runs ('avx512_bf16', 'avx512', 'avx2', 'generic'), or
+    'none (torch reference)' when the C++ kernels are off or could not be built."""
+    load()
+    return _loaded or "none (torch reference)"
+
+
+def main(argv: list[str]) -> int:
+    """Builds every variant of this architecture but the generic one (which only a CPU without
+    AVX2 loads, building it then), or the named ones; then loads the selected one."""
+    logging.basicConfig(level=logging.INFO)
+    names = argv or [v.name for v in variants() if v is not GENERIC or not _IS_X86]
+    failed = []
+    for name in names:
+        try:
+            log.info("C++ CPU kernels: building %s in %s", name, build(name))
+        except Exception as e:
+            log.warning("C++ CPU kernels: %s failed (%s)", name, str(e).splitlines()[0] if str(e)
+                        else type(e).__name__)
+            failed.append(name)
+    if load() is None:
+        return 1
+    log.info("this CPU runs %s (it can run: %s)", isa_level(), ", ".join(runnable()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    sys.exit(0 if load() is not None else 1)
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,11 @@
 prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stack), MKL's packed
 GEMM for full decode batches, and the torch reference for everything else and for any input the
 kernels don't cover (storage other than float32 / bfloat16, non-contiguous tensors).
-Same names and signatures as kernels/reference.py, so dispatch is a namespace swap."""
+Same names and signatures as kernels/reference.py, so dispatch is a namespace swap.
+
+The C++ module is the ISA variant kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
+avx2; TPLLM_CPU_ISA forces one): the same kernels on each, so nothing here depends on it but
+the few figures quoted, measured on the AVX-512 host unless they say otherwise."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -35,9 +39,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      batch: DecodeBatch, scale: float,
                      kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy), each block once, and splits
-    # long contexts of short batches across threads; head_dim 64 on AVX-512 has its own block
-    # step (csrc/attn_avx512.h). 2 threads, float32, per layer (9 q / 3 kv heads): B=1 x 1088
-    # tokens 55 us cache-warm, 106 us inside a decode step (portable step: 79 / 123 us);
+    # long contexts of short batches across threads; head_dim 64 has its own two-pass kernel
+    # (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches). AVX-512 host, 2 threads,
+    # float32, per layer (9 q / 3 kv heads): B=1 x 1088 tokens 55 us cache-warm, 106 us inside a decode step (portable step: 79 / 123 us);
     # B=64 x 320 tokens 1.05 ms (portable 1.34; gather + SDPA took 3.4 ms).
     if q.dtype not in _STORAGE:
         return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
@@ -55,7 +59,7 @@ def _fast_prefill(head_dim: int) -> bool:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
                       kv_index: torch.Tensor | None = None) -> torch.Tensor:
-    # float32, head_dim 64, AVX-512: register-tiled C++ over the paged cache, a cached prefix
+    # float32, head_dim 64, AVX2/AVX-512: register-tiled C++ over the paged cache, a cached prefix
     # included (csrc/prefill_attention.cpp: 1.2-1.9x SDPA's speed). Else torch's SDPA.
     if (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and _fast_prefill(q.shape[-1])
             and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -84,9 +88,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still.
     if _small_m_f32(x, weight):
         return _ext.small_m_linear(x, weight, bias)
-    # bf16 decode of 1-2 rows: AVX512-BF16 dot products over each weight row read once
-    # (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer GEMVs, 2 threads: 12.6 vs oneDNN's 21.5 ms at
-    # one row, 16.3 vs 21.0 at two; from three rows oneDNN is as fast or faster.
+    # bf16 decode of 1-2 rows: each weight row read once, AVX512-BF16 dot products or (AVX2,
+    # AVX-512) FMAs on rows widened as loaded (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer
+    # GEMVs, 2 threads, AVX512-BF16: 12.6 vs oneDNN's 21.5 ms at one row, 16.3 vs 21.0 at two;
+    # from three rows oneDNN is as fast or faster.
     if (_BF16_GEMV and x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()):
         return _ext.small_m_linear_bf16(x, weight, bias)

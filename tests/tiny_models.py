@@ -11,10 +11,11 @@ ARCHS = ("llama", "qwen2", "mistral")
 def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
                          num_heads: int = 6, num_kv_heads: int = 2, layers: int = 2,
                          shards: int = 1, tokenizer_dir: Path | None = None,
-                         bias: bool = False) -> Path:
+                         bias: bool = False, hidden_size: int = 96) -> Path:
     """A random checkpoint; with `tokenizer_dir`, its tokenizer files are copied in and the
     vocabulary sized to match, so the engine can take text. `bias` (Llama): attention_bias and
-    mlp_bias, so q/k/v/o and gate/up/down all carry biases."""
+    mlp_bias, so q/k/v/o and gate/up/down all carry biases. head_dim is hidden_size / num_heads
+    (16 by default; 64, the hand-tiled attention kernels' size, with e.g. 192 / 3)."""
     import shutil
 
     import transformers as tf
@@ -22,7 +23,7 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
     if tokenizer_dir is not None:
         vocab_size = tf.AutoTokenizer.from_pretrained(tokenizer_dir).vocab_size
 
-    common = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=160,
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=160,
                   num_hidden_layers=layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)

@@ -14,7 +14,7 @@
 
 #include "cpu_kernels.h"
 #include "vec.h"
-#include "attn_avx512.h"
+#include "attn_simd.h"
 
 namespace {
 
@@ -42,11 +42,33 @@ inline bf16 from_f<bf16>(float f) {
   return bf16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), bf16::from_bits());
 }
 
+// Sums below run in 16 lanes added as a fixed tree (vec.h's sum16), not as `omp simd`
+// reductions, whose order follows the build's vector width: every ISA variant of the module
+// then computes the same bits.
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * to_f(b[i]);
+  v16f acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16f bv;
+    for (int l = 0; l < 16; ++l) bv[l] = to_f(b[i + l]);
+    acc += load16(a + i) * bv;
+  }
+  float s = sum16(acc);
+  for (; i < n; ++i) s += a[i] * to_f(b[i]);
+  return s;
+}
+
+// the sum of x[0, n) squared, in dot's order
+inline float sum_squares(const float* x, int64_t n) {
+  v16f acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16f v = load16(x + i);
+    acc += v * v;
+  }
+  float s = sum16(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
 
@@ -102,9 +124,13 @@ inline float softmax_update(float* s, int64_t n, float& mx, float& den) {
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   const float corr = std::exp(mx - m);  // 0 on the first block (acc is still 0)
   mx = m;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) { s[j] = exp_nonpositive(s[j] - m); sum += s[j]; }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - m);
+  v16f acc = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc += load16(s + j);
+  float sum = sum16(acc);
+  for (; j < n; ++j) sum += s[j];
   den = den * corr + sum;
   return corr;
 }
@@ -181,13 +207,13 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
                    int64_t D, int64_t block_stride, const int64_t* heads_by_kv,
                    const int64_t* group_start, float scale, float* acc, float* mx, float* den,
                    std::vector<float>& sc, std::vector<float>& kb, std::vector<float>& vb) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (D == 64) {
-      avx512::attend_blocks_d64(qf, kp, vp, table, L, blk_begin, blk_end, BS, Hkv, Hq,
-                                block_stride, heads_by_kv, group_start, scale, acc, mx, den, sc);
-      return;
-    }
+#if defined(TPLLM_SIMD16)
+  if (D == 64) {  // float32, or bf16 rows widened as they are loaded
+    using S = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+    simd::attend_blocks_d64(qf, reinterpret_cast<const S*>(kp), reinterpret_cast<const S*>(vp),
+                            table, L, blk_begin, blk_end, BS, Hkv, Hq, block_stride, heads_by_kv,
+                            group_start, scale, acc, mx, den, sc);
+    return;
   }
 #endif
   const int64_t row = Hkv * D;
@@ -227,12 +253,8 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
         int64_t G;
         if (D == 64) {
           G = std::min<int64_t>(left, 4);
-#if defined(__AVX512F__)
-          avx512::block_group_d64(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den);
-#else
           block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
                                   sc.data(), BS);
-#endif
         } else if (D == 128) {
           G = std::min<int64_t>(left, 2);
           block_group_fast<128, 2>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
@@ -323,15 +345,14 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
     for (int64_t row = begin; row < end; ++row) {
       T* xr = xp + row * H;
       T* rr = rp + row * H;
-      float ss = 0.f;
       // The sum is stored at storage precision first, as torch's `residual + x` does.
-#pragma omp simd reduction(+ : ss)
+#pragma omp simd
       for (int64_t i = 0; i < H; ++i) {
         const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
         rr[i] = sum;
         r[i] = to_f(sum);
-        ss += r[i] * r[i];
       }
+      const float ss = sum_squares(r.data(), H);
       const float inv = 1.f / std::sqrt(ss / (float)H + (float)eps);
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) xr[i] = from_f<T>(to_f(wp[i]) * (r[i] * inv));

@@ -1,5 +1,6 @@
-// Causal attention of one prompt chunk over its sequence's paged KV cache (float32, AVX-512,
-// head_dim 64): the prefill counterpart of paged_decode_attention.
+// Causal attention of one prompt chunk over its sequence's paged KV cache (float32, head_dim
+// 64; written once against simd::F16: AVX-512, or AVX2 + FMA with register tiles half as wide):
+// the prefill counterpart of paged_decode_attention.
 //
 // Why: torch's CPU flash SDPA ran SmolLM2's prefill attention at ~95-170 GFLOP/s (causal FLOPs;
 // ~27% of a 1024-token time to first token) and needs a cached prefix gathered into a copy.
@@ -8,7 +9,9 @@
 // broadcast. Then one exact softmax per row over all its keys (no online rescaling). Then P.V:
 // 6 rows x 64 columns in registers, per chunk of 32 V rows that stays in L1 for all the task's
 // rows. 2 threads, 9 q / 3 kv heads: 256 tokens 0.42 vs SDPA's 0.80 ms, 1024: 5.8 vs 8.8 ms,
-// 2048: 24.8 vs 29.0 ms. (head_dim 128 was slower than SDPA with this tiling: not used.)
+// 2048: 24.8 vs 29.0 ms (AVX-512). (head_dim 128 was slower than SDPA with this tiling: not used.)
+// Every sum runs in the same order on both ISAs (same bits); AVX2 has 16 registers, not 32, so
+// a score tile there is 6 rows x 16 keys and the P.V tile 6 rows x 16 columns at a time.
 //
 // Work: a task is (KV head, 8 consecutive query positions) for every query head that reads that
 // KV head (rows = heads x positions); tasks alternate early/late so both threads get an even
@@ -21,36 +24,40 @@
 #include <cmath>
 #include <vector>
 
-#include "attn_avx512.h"
+#include "attn_simd.h"
 
-#if defined(__AVX512F__)
+#if defined(TPLLM_SIMD16)
 namespace {
 
+using namespace simd;
+
 constexpr int kRows = 6;   // rows (query head x position) per register tile
-constexpr int kKeys = 32;  // keys per score tile (two vectors) and per V chunk
+constexpr int kKeys = 32;  // keys per V chunk and the padding of a row's keys
+// keys per score tile: 32 (two vectors: 12 of AVX-512's 32 registers), 16 on AVX2
+constexpr int kTileVecs = 2 / kRegsPerVec;
+// output columns (vectors) per P.V tile: all 4 of head_dim 64 (24 of 32 registers), 1 on AVX2
+constexpr int kColVecs = kRegsPerVec == 1 ? 4 : 1;
 constexpr int kPos = 8;    // query positions per task
 
-// s[r][k0, k0 + 32) = scale * q[r] . kt[:, k0 + ...] for the tile's kRows rows; kt is
-// [D][ldk] (keys transposed): per dim, two vector loads and a broadcast per row
+// s[r][k0, k0 + 16 kTileVecs) = scale * q[r] . kt[:, k0 + ...] for the tile's kRows rows; kt
+// is [D][ldk] (keys transposed): per dim, kTileVecs vector loads and a broadcast per row
 template <int D>
 inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int64_t k0,
                        float scale, float* const* s) {
-  __m512 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  F16 acc[kRows][kTileVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kTileVecs; ++c) acc[r][c] = set1(0.f);
   for (int d = 0; d < D; ++d) {
-    const __m512 k0v = _mm512_loadu_ps(kt + d * ldk + k0);
-    const __m512 k1v = _mm512_loadu_ps(kt + d * ldk + k0 + 16);
+    F16 kv[kTileVecs];
+    for (int c = 0; c < kTileVecs; ++c) kv[c] = load(kt + d * ldk + k0 + 16 * c);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 qb = _mm512_set1_ps(q[r][d]);
-      acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
+      const F16 qb = set1(q[r][d]);
+      for (int c = 0; c < kTileVecs; ++c) acc[r][c] = fma(qb, kv[c], acc[r][c]);
     }
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_storeu_ps(s[r] + k0, _mm512_mul_ps(acc[r][0], sv));
-    _mm512_storeu_ps(s[r] + k0 + 16, _mm512_mul_ps(acc[r][1], sv));
-  }
+  const F16 sv = set1(scale);
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kTileVecs; ++c) store(s[r] + k0 + 16 * c, acc[r][c] * sv);
 }
 
 // o[r] += sum over keys [k0, k1) of p[r][k] v[k] for the tile's kRows rows (o in memory: the
@@ -58,20 +65,22 @@ inline void score_tile(const float* const* q, const float* kt, int64_t ldk, int6
 template <int D>
 inline void pv_tile(const float* const* p, const float* const* v, int64_t k0, int64_t k1,
                     float* const* o) {
-  constexpr int C = D / 16;
-  __m512 acc[kRows][C];
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o[r] + 16 * c);
-  for (int64_t k = k0; k < k1; ++k) {
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v[k - k0] + 16 * c);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 pb = _mm512_set1_ps(p[r][k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+  constexpr int C = kColVecs;
+  for (int c0 = 0; c0 < D / 16; c0 += C) {
+    F16 acc[kRows][C];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = load(o[r] + 16 * (c0 + c));
+    for (int64_t k = k0; k < k1; ++k) {
+      F16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(v[k - k0] + 16 * (c0 + c));
+      for (int r = 0; r < kRows; ++r) {
+        const F16 pb = set1(p[r][k]);
+        for (int c = 0; c < C; ++c) acc[r][c] = fma(pb, vv[c], acc[r][c]);
+      }
     }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < C; ++c) store(o[r] + 16 * (c0 + c), acc[r][c]);
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
 }
 
 template <int D>
@@ -135,13 +144,13 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
         limit[r] = first + pos + 1;
       }
       const float* ktk = kt + kh * D * ldk;
-      for (int64_t k0 = 0; k0 < npad; k0 += kKeys)
+      for (int64_t k0 = 0; k0 < npad; k0 += 16 * kTileVecs)
         for (int64_t tile = 0; tile < tiles; ++tile)
           score_tile<D>(qrow.data() + tile * kRows, ktk, ldk, k0, (float)scale,
                         srow.data() + tile * kRows);
       std::vector<float> inv(Rp);
       for (int64_t r = 0; r < Rp; ++r)
-        inv[r] = 1.f / avx512::softmax_row(srow[r], limit[r], npad).sum;
+        inv[r] = 1.f / softmax_row(srow[r], limit[r], npad).sum;
       for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
         const int64_t k1 = std::min(n, k0 + kKeys);
         for (int64_t k = k0; k < k1; ++k)
@@ -151,10 +160,9 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = heads_by_kv[group_start[kh] + r / P], pos = p0 + r % P;
-        const __m512 iv = _mm512_set1_ps(inv[r]);
+        const F16 iv = set1(inv[r]);
         for (int c = 0; c < D / 16; ++c)
-          _mm512_storeu_ps(op + (pos * Hq + h) * D + 16 * c,
-                           _mm512_mul_ps(_mm512_loadu_ps(orow[r] + 16 * c), iv));
+          store(op + (pos * Hq + h) * D + 16 * c, load(orow[r] + 16 * c) * iv);
       }
     }
   });
@@ -164,7 +172,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 #endif
 
 bool prefill_attention_supported(int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(TPLLM_SIMD16)
   return head_dim == 64;  // 128 (6 x 8 P.V accumulators) needs its own tiling: SDPA for now
 #else
   (void)head_dim;
@@ -180,7 +188,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                                       int64_t context_len, double scale, torch::Tensor kv_index) {
   const int64_t D = q.size(2);
   TORCH_CHECK(prefill_attention_supported(D), "paged_prefill_attention: head_dim 64 with "
-              "AVX-512 only");
+              "AVX2 or AVX-512 only");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32 && q.stride(2) == 1 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(3) == D,
@@ -190,7 +198,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
   auto table = block_table.to(torch::kInt64).contiguous();
   auto kvi = kv_index.to(torch::kInt64).contiguous();
-#if defined(__AVX512F__)
+#if defined(TPLLM_SIMD16)
   prefill_impl<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, scale,
                    kvi.data_ptr<int64_t>(), out);
 #endif

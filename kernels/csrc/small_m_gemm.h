@@ -1,34 +1,102 @@
 // The driver shared by the small-batch linears (cpu_gemv.cpp float32, cpu_gemv_bf16.cpp bf16):
 // y[M, N] (float32) = x[M, K] . w[N, K]^T in tiles of 4 weight rows x up to 4 input rows, each
 // weight row read from memory once, whatever M. Tile::run<R, MM>(w, x, K, y, ldy) computes
-// R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r].
+// R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r]; MM is at most
+// Tile::kInputs.
 #pragma once
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+#include "vec.h"
 
 namespace small_m {
 
-template <class Tile, int R, typename E>
-inline void rows_by_inputs(const E* w, const E* x, int64_t M, int64_t K, float* y, int64_t ldy) {
-  // inputs in groups of 4: the R weight rows come from memory once, then from L1
+// inputs in groups of Tile::kInputs (AVX-512: 4; AVX2, 16 registers: fewer): the R weight rows
+// come from memory once, then from L1
+template <class Tile, int R, typename W, typename X>
+inline void rows_by_inputs(const W* w, const X* x, int64_t M, int64_t K, float* y, int64_t ldy) {
+  constexpr int G = Tile::kInputs;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) Tile::template run<R, 4>(w, x + m * K, K, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: Tile::template run<R, 3>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 2: Tile::template run<R, 2>(w, x + m * K, K, y + m * ldy, ldy); break;
-    case 1: Tile::template run<R, 1>(w, x + m * K, K, y + m * ldy, ldy); break;
-    default: break;
-  }
+  for (; m + G <= M; m += G) Tile::template run<R, G>(w, x + m * K, K, y + m * ldy, ldy);
+  const int64_t left = M - m;
+  if constexpr (G > 3) if (left == 3) Tile::template run<R, 3>(w, x + m * K, K, y + m * ldy, ldy);
+  if constexpr (G > 2) if (left == 2) Tile::template run<R, 2>(w, x + m * K, K, y + m * ldy, ldy);
+  if constexpr (G > 1) if (left == 1) Tile::template run<R, 1>(w, x + m * K, K, y + m * ldy, ldy);
 }
 
-template <class Tile, typename E>
-void gemm(const E* w, const E* x, int64_t M, int64_t K, int64_t N, float* y) {
+inline float widen(float x) { return x; }
+inline float widen(uint16_t b) {  // bfloat16 bits
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The tile of cpu_gemv.cpp (float32 weights) and of cpu_gemv_bf16.cpp without AVX512-BF16 (bf16
+// weights widened as they are loaded): 16-lane fused multiply-adds into float32 accumulators,
+// one per weight row and input row (x: float32), each summed as sum16 then the K % 16 tail, so
+// y[m, n] is the same whatever M, the thread split and the ISA variant.
+struct FmaTile {
+#if defined(TPLLM_SIMD16)
+  // 4 x 4 accumulators: 16 of AVX-512's 32 registers; on AVX2 4 x 1 take 8 of its 16
+  static constexpr int kInputs = simd::kRegsPerVec == 1 ? 4 : 1;
+  template <int R, int MM, typename W>
+  static void run(const W* w, const float* x, int64_t K, float* y, int64_t ldy) {
+    using namespace simd;
+    F16 acc[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = set1(0.f);
+    const int64_t kv = K - K % 16;
+    for (int64_t k = 0; k < kv; k += 16) {
+      F16 xs[MM];
+      for (int m = 0; m < MM; ++m) xs[m] = load(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const F16 wv = load(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = fma(wv, xs[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) {
+        float s = reduce_add(acc[r][m]);
+        for (int64_t k = kv; k < K; ++k) s += widen(w[r * K + k]) * x[m * K + k];
+        y[m * ldy + r] = s;
+      }
+  }
+#else  // portable: float32 weights only, multiply then add (the module has no FMA contraction)
+  static constexpr int kInputs = 4;
+  template <int R, int MM>
+  static void run(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
+    v16f acc[R][MM];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = v16f{};
+    const int64_t kv = K - K % 16;
+    for (int64_t k = 0; k < kv; k += 16) {
+      v16f xs[MM];
+      for (int m = 0; m < MM; ++m) xs[m] = load16(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const v16f wv = load16(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = wv * xs[m] + acc[r][m];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) {
+        float s = sum16(acc[r][m]);
+        for (int64_t k = kv; k < K; ++k) s += w[r * K + k] * x[m * K + k];
+        y[m * ldy + r] = s;
+      }
+  }
+#endif
+};
+
+template <class Tile, typename W, typename X>
+void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   const int64_t blocks = (N + 3) / 4;
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain = std::max<int64_t>(
-      1, 65536 / std::max<int64_t>(1, 4 * K * static_cast<int64_t>(sizeof(E))));
+      1, 65536 / std::max<int64_t>(1, 4 * K * static_cast<int64_t>(sizeof(W))));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * 4;
