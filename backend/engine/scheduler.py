@@ -65,7 +65,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_schedulable, budget)
+            if n == 0:
+                continue  # waits for its grammar
             while not self.kv.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._youngest_other(seq)
                 self._preempt(victim)
@@ -77,13 +79,16 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                n = min(seq.num_uncomputed, budget)
+            for seq in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                n = min(seq.num_schedulable, budget)
+                if n == 0:
+                    continue  # a one-token prompt waiting for its grammar lets the next pass
                 reserve = self.watermark if self.running else 0
                 if not self.kv.allocate(seq, seq.num_computed_tokens + n, reserve=reserve):
                     break  # FCFS: nobody overtakes the oldest waiting request
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.arrival)
                 scheduled[seq] = n
