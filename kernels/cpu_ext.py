@@ -33,7 +33,10 @@ def _cache_dir() -> Path:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
-    sources = b"".join(p.read_bytes() for p in _SOURCES + sorted(_CSRC.glob("*.h")))
+    # The source directory is part of the key: build.ninja names the sources by absolute path, so
+    # two checkouts sharing one cache dir would rebuild each other's module on every load.
+    sources = str(_CSRC).encode() + b"".join(
+        p.read_bytes() for p in _SOURCES + sorted(_CSRC.glob("*.h")))
     key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + sys.version.encode()
                          + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits

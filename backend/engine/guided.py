@@ -90,10 +90,11 @@ class GrammarCache:
     def _compile(self, spec: GuidedSpec):
         compiler = self._compiler.result()
         try:
-            if spec.kind == "json":
-                return compiler.compile_json_schema(spec.text)
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if spec.kind in ("json", "json_object"):
+                # Compact separators (", ", ": "), no free whitespace: a small model left to
+                # choose its whitespace can spend max_tokens on indentation and newlines.
+                return compiler.compile_json_schema(spec.text or '{"type": "object"}',
+                                                    any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             return compiler.compile_grammar(spec.text)

@@ -355,10 +355,10 @@ class LLMEngine:
         self._grammar_waits = still
         return outputs
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, error: str, invalid: bool = True) -> RequestOutput:
         out = self.abort_request(seq.request_id)
         seq.finish_reason = out.finish_reason = "error"
-        out.error = error
+        out.error, out.invalid = error, invalid
         return out
 
     def _collective_seconds(self) -> float:
@@ -369,7 +369,7 @@ class LLMEngine:
         if seq.guided is not None and not self.guided.accept(seq.guided, token):
             # only if the constraint and min_tokens (EOS banned) leave no token at all
             return self._fail(seq, f"{seq.guided.spec.field}: the grammar allows no token here "
-                                   f"(min_tokens {p.min_tokens} not reached?)")
+                                   f"(min_tokens {p.min_tokens} not reached?)", invalid=False)
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob

@@ -17,6 +17,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (a client error), e.g. its grammar
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
 
 
