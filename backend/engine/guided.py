@@ -182,8 +182,7 @@ class GuidedMasker:
         if len(rows) > self._buf.shape[0]:  # more rows than max_num_seqs: not a shape we run
             self._buf = torch.full((len(rows), self._buf.shape[1]), -1, dtype=torch.int32)
         buf = self._buf[:len(rows)]
-        for i in idx:
-            buf[i] = rows[i].guided.bitmask[0]
+        buf.index_copy_(0, torch.tensor(idx), torch.cat([rows[i].guided.bitmask for i in idx]))
         if logits.device.type != "cpu":
             buf = buf.to(logits.device, non_blocking=True)
         _load_xgrammar().apply_token_bitmask_inplace(logits, buf, vocab_size=self.vocab_size,

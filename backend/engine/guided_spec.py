@@ -2,7 +2,8 @@
 
 Pure Python, no xgrammar: SamplingParams.validate() calls guided_spec() so a malformed constraint
 fails when the request is made, with a ValueError naming the client's field. The canonical text is
-the compile cache's key, so the same schema written with other key order or spacing compiles once.
+the compile cache's key, so the same schema written with other spacing compiles once (key order
+is kept: properties are generated in the schema's order).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 class GuidedSpec:
     field: str  # the SamplingParams field it came from (named in errors)
     kind: str  # "json" (a schema), "json_object" (any JSON value), "regex", "grammar" (EBNF)
-    text: str  # canonical: the schema as sorted JSON, the regex, the grammar
+    text: str  # canonical: the schema as compact JSON, the regex, the grammar
 
 
 def guided_spec(params) -> GuidedSpec | None:
@@ -47,7 +48,8 @@ def _schema(name: str, v) -> GuidedSpec:
     if not isinstance(v, dict):
         raise ValueError(f"{name}: must be a JSON schema object, got {type(v).__name__}")
     try:
-        text = json.dumps(v, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        # Key order is kept: it is the order the properties are generated in.
+        text = json.dumps(v, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name}: not representable as JSON ({e})") from None
     return GuidedSpec(name, "json", text)

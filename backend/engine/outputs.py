@@ -33,6 +33,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
+    error: str | None = None  # why, when finish_reason is "error" (e.g. a grammar that failed)
 
     def extend(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -42,4 +43,5 @@ class CompletionOutput:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+            self.error = out.error
             self.metrics.update(out.metrics or {})
