@@ -68,9 +68,9 @@ REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,8} [A-Z][a-
 
 def test_regex_choice_grammar_and_json_object(smollm):
     choices = ["positive", "negative", "neutral"]
-    # arithmetic expressions: a Python parser is the judge
-    grammar = ('root ::= expr\nexpr ::= term (("+" | "-") term)*\n'
-               'term ::= num | "(" expr ")"\nnum ::= [1-9] [0-9]{0,2}')
+    # arithmetic expressions (bounded, so they end inside max_tokens): Python's parser judges
+    grammar = ('root ::= expr\nexpr ::= term (op term){0,3}\nop ::= "+" | "-" | "*"\n'
+               'term ::= num | "(" num (op num){1,2} ")"\nnum ::= [1-9] [0-9]{0,2}')
     cases = [(r, {"guided_regex": r}) for r in REGEXES]
     cases += [("choice", {"guided_choice": choices}), ("grammar", {"guided_grammar": grammar}),
               ("json_object", {"response_format": {"type": "json_object"}})]
@@ -88,7 +88,7 @@ def test_regex_choice_grammar_and_json_object(smollm):
             elif name == "choice":
                 assert out.text in choices
             elif name == "grammar":
-                assert re.fullmatch(r"[0-9+\-()]+", out.text), out.text
+                assert re.fullmatch(r"[0-9+\-*()]+", out.text), out.text
                 ast.parse(out.text, mode="eval")
             else:
                 assert isinstance(json.loads(out.text), dict), out.text
