@@ -5,10 +5,12 @@
 - GuidedState is one request's matcher plus the bitmask of the tokens it may take next. The
   engine starts it once the Future is done; until then the scheduler holds back the request's
   last prompt token (the one whose logits are sampled), so its prefill overlaps the compile.
-- GuidedMasker is the sampler's hook: it copies the constrained rows' bitmasks into one
-  persistent [rows, words] buffer and applies them in place on the logits the sampler already
-  has (same tensor, same shape: nothing new for the cold-path counter), before penalties,
-  temperature and the top-k/top-p/min-p filters. Unconstrained rows are not touched.
+- GuidedMasker is the sampler's hook: it unpacks the constrained rows' bitmasks with torch ops
+  on the logits' device and masks those rows in place on the logits the sampler already has
+  (same tensor: nothing new for the cold-path counter), before penalties, temperature and the
+  top-k/top-p/min-p filters. Unconstrained rows are not touched. (xgrammar's own CPU mask kernel
+  made a 2-core batch-1 decode step ~7x slower, its threads contending with torch's; torch's ops
+  run on torch's thread pool and on any device without a kernel to compile.)
 
 EOS (the engine's stop ids) is allowed exactly where the grammar may end. A matcher that can
 take nothing but EOS is complete: the engine finishes the request ("stop") without sampling it.
@@ -144,7 +146,7 @@ class GuidedState:
 class GuidedMasker:
     """The sampler hook and the engine's guided-decoding state: compile cache, masks, EOS."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_rows: int,
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
                  max_entries: int = DEFAULT_CACHE_ENTRIES):
         stop_ids = sorted(set(stop_token_ids))
         self.vocab_size = vocab_size
@@ -155,7 +157,7 @@ class GuidedMasker:
         for t in stop_ids:
             if 0 <= t < vocab_size:
                 self.stop_only[t // 32] |= _bit(t % 32)
-        self._buf = torch.full((max_rows, words), -1, dtype=torch.int32)  # allocated once
+        self._shifts: dict[torch.device, torch.Tensor] = {}  # 0..31 per device, made once
 
     def state_for(self, spec: GuidedSpec | None) -> GuidedState | None:
         """A new request's state; its grammar starts compiling now (or is already cached)."""
@@ -179,22 +181,18 @@ class GuidedMasker:
         idx = [i for i, r in enumerate(rows) if getattr(r, "guided", None) is not None]
         if not idx:
             return
-        if len(rows) > self._buf.shape[0]:  # more rows than max_num_seqs: not a shape we run
-            self._buf = torch.full((len(rows), self._buf.shape[1]), -1, dtype=torch.int32)
-        buf = self._buf[:len(rows)]
-        buf.index_copy_(0, torch.tensor(idx), torch.cat([rows[i].guided.bitmask for i in idx]))
-        if logits.device.type != "cpu":
-            buf = buf.to(logits.device, non_blocking=True)
-        _load_xgrammar().apply_token_bitmask_inplace(logits, buf, vocab_size=self.vocab_size,
-                                                     indices=idx)
-
-    def warm_up(self, device: torch.device) -> None:
-        """Run the mask kernel once on the serving device before ready (a GPU kernel may JIT)."""
-        if device.type == "cpu":
-            return
-        x = torch.zeros(1, self.vocab_size, device=device)
-        _load_xgrammar().apply_token_bitmask_inplace(x, self._buf[:1].to(device),
-                                                     vocab_size=self.vocab_size, indices=[0])
+        dev = logits.device
+        shifts = self._shifts.get(dev)
+        if shifts is None:
+            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        masks = torch.cat([rows[i].guided.bitmask for i in idx]).to(dev)  # [n, words] int32
+        # bit b of word w allows token 32 * w + b
+        banned = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[-1]] == 0
+        if len(idx) == len(rows):
+            logits.masked_fill_(banned, float("-inf"))
+        else:
+            at = torch.tensor(idx, device=dev)
+            logits[at] = logits[at].masked_fill_(banned, float("-inf"))
 
     def close(self) -> None:
         self.cache.close()

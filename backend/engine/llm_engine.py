@@ -121,8 +121,8 @@ class LLMEngine:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         # Structured output: grammars compile on their own thread from the tokenizer's vocabulary.
-        self.guided = GuidedMasker(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
-                                   config.max_num_seqs) if self.tokenizer is not None else None
+        self.guided = GuidedMasker(self.tokenizer, cfg.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
         self._grammar_waits: list[Sequence] = []  # admitted, grammar not started yet
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, mask=self.guided)
         self.requests: dict[str, Sequence] = {}
@@ -147,8 +147,6 @@ class LLMEngine:
         if self.config.warmup:
             try:
                 self.stats.warmup_seconds = run_warmup(self)
-                if self.guided is not None:
-                    self.guided.warm_up(self.device)
             except BaseException:
                 self.close()
                 raise
