@@ -17,7 +17,6 @@ take nothing but EOS is complete: the engine finishes the request ("stop") witho
 """
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from collections import OrderedDict
@@ -27,8 +26,6 @@ from typing import Iterable, Sequence
 import torch
 
 from backend.engine.guided_spec import GuidedSpec
-
-log = logging.getLogger("backend.engine")
 
 DEFAULT_CACHE_ENTRIES = 256
 
