@@ -110,15 +110,27 @@ def _cmd_bench_prefix(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_prefix")
 
 
+def _cmd_bench_structured(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("structured", help="guided_json beside the same requests unconstrained")
+    _runtime_args(p)
+    p.add_argument("--requests", type=int, default=None, help="batch of (a) (default 64)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/structured-<ts>.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.set_defaults(runner="client.bench_structured")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart,clients,prefix}")
+                             metavar="{offline,tp,coldstart,clients,prefix,structured}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
     _cmd_bench_clients(bench)
     _cmd_bench_prefix(bench)
+    _cmd_bench_structured(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -2,6 +2,7 @@
 leaked worker processes."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import secrets
@@ -49,11 +50,19 @@ def _pids_alive(pids: list[int]) -> list[int]:
     return alive
 
 
+# Structured output under TP: rank 0 samples, so its mask needs nothing from the other ranks.
+GUIDED = SamplingParams(temperature=0, max_tokens=32, guided_json={
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "year": {"type": "integer", "minimum": 1000,
+                                              "maximum": 2100}}, "required": ["city", "year"]})
+
+
 @pytest.fixture(scope="module")
 def tp1_reference(default_model_dir):
     with LLM(model=str(default_model_dir), **SMALL_ENGINE) as llm:
         sp = SamplingParams(temperature=0, max_tokens=24)
-        tokens = [o.token_ids for o in llm.generate(SMOL_PROMPTS, sp)]
+        tokens = [o.token_ids for o in llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:1],
+                                                    [sp] * len(SMOL_PROMPTS) + [GUIDED])]
         probe = llm.tokenizer.encode(SMOL_PROMPTS[2])
         return tokens, probe, _prompt_logits(llm, probe)
 
@@ -65,8 +74,10 @@ def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
     pids = llm.engine.group.worker_pids
     assert len(pids) == tp - 1 and len(_pids_alive(pids)) == tp - 1
     try:
-        outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
-        assert [o.token_ids for o in outs] == tokens
+        sp = SamplingParams(temperature=0, max_tokens=24)
+        outs = llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:1], [sp] * len(SMOL_PROMPTS) + [GUIDED])
+        assert [o.token_ids for o in outs] == tokens  # the constrained last one too
+        assert outs[-1].finish_reason == "stop" and json.loads(outs[-1].text)["year"] >= 1000
         assert all(o.metrics["collective_s"] > 0 for o in outs)
         ours = _prompt_logits(llm, probe)
         rel = ((ours - logits).abs().max() / logits.abs().max()).item()
@@ -101,7 +112,7 @@ def test_fused_decode_collectives_late_peer_path(stack, default_model_dir, tp1_r
             monkeypatch.setattr(comm, "finish_fused", lambda out, arrived, *a: late.append(
                 not arrived) or finish(out, arrived, *a))
         outs = llm.generate(SMOL_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
-        assert [o.token_ids for o in outs] == tokens
+        assert [o.token_ids for o in outs] == tokens[:len(SMOL_PROMPTS)]
         assert any(late) and not all(late)  # both paths ran
     finally:
         llm.close()

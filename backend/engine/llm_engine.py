@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import weakref
+from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from backend.engine.buckets import BucketPlan
 from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from backend.engine.guided import GuidedMasker, GuidedState
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.logprobs import decode_tokens
 from backend.engine.model_runner import ModelRunner
@@ -22,7 +24,7 @@ from backend.engine.outputs import RequestOutput
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
+from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
@@ -42,6 +44,7 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    guided: GuidedState | None = None  # its grammar compiles from prepare_request on
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -118,7 +121,11 @@ class LLMEngine:
                                    self.plan)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        # Structured output: grammars compile on their own thread from the tokenizer's vocabulary.
+        self.guided = GuidedMasker(self.tokenizer, cfg.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
+        self._grammar_waits: list[Sequence] = []  # admitted, grammar not started yet
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, mask=self.guided)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.stats = EngineStats()
@@ -216,6 +223,8 @@ class LLMEngine:
         """Stop tensor-parallel workers (if any). The engine is unusable afterwards."""
         if self.group is not None:
             self.group.close()
+        if getattr(self, "guided", None) is not None:
+            self.guided.close()
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(self, request_id: str, prompt: str | list[int],
@@ -251,7 +260,11 @@ class LLMEngine:
                              f"exceeds the KV cache ({self.kv.num_blocks * self.kv.block_size} tokens)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
-        return PreparedRequest(request_id, ids, params)
+        spec = params.guided
+        if spec is not None and self.guided is None:
+            raise ValueError(f"{spec.field}: structured output needs a tokenizer; this model has none")
+        return PreparedRequest(request_id, ids, params,
+                               self.guided.state_for(spec) if spec is not None else None)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> None:
@@ -270,6 +283,9 @@ class LLMEngine:
         self._arrivals += 1
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        if req.guided is not None:
+            seq.guided = req.guided
+            self._grammar_waits.append(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.pop(request_id, None)
@@ -294,9 +310,13 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        outputs = self._start_grammars() if self._grammar_waits else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            if self._grammar_waits:  # only grammars to wait for: sleep until one is compiled
+                wait_futures([s.guided.grammar for s in self._grammar_waits], timeout=0.05,
+                             return_when=FIRST_COMPLETED)
+            return outputs
         inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
         if inputs.shape_key not in self.warm_shapes:
             self.cold_path.record("new_shape", str(inputs.shape_key))
@@ -310,7 +330,6 @@ class LLMEngine:
             self.kv.cache_full_blocks(seq)  # their K/V are written now: others may share them
             seq.model_seconds += t1 - t0
             seq.collective_seconds += comm_s
-        outputs = []
         if sampling:
             sampled = self.sampler(logits, sampling)
             for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -337,11 +356,34 @@ class LLMEngine:
             self.group.step_failed = True
             raise
 
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Start the matchers whose grammar compiled; fail, alone, the requests whose did not."""
+        outputs, still = [], []
+        for seq in self._grammar_waits:
+            if seq.status is Status.FINISHED:  # aborted meanwhile
+                continue
+            if not seq.guided.grammar.done():
+                still.append(seq)
+            elif (error := self.guided.start(seq.guided)) is not None:
+                outputs.append(self._fail(seq, error))
+        self._grammar_waits = still
+        return outputs
+
+    def _fail(self, seq: Sequence, error: str, invalid: bool = True) -> RequestOutput:
+        out = self.abort_request(seq.request_id)
+        seq.finish_reason = out.finish_reason = "error"
+        out.error, out.invalid = error, invalid
+        return out
+
     def _collective_seconds(self) -> float:
         return self.group.comm.seconds if self.group is not None else 0.0
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
         p = seq.params
+        if seq.guided is not None and not self.guided.accept(seq.guided, token):
+            # only if the constraint and min_tokens (EOS banned) leave no token at all
+            return self._fail(seq, f"{seq.guided.spec.field}: the grammar allows no token here "
+                                   f"(min_tokens {p.min_tokens} not reached?)", invalid=False)
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
@@ -355,6 +397,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.guided is not None and seq.guided.complete:  # nothing but EOS may follow
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

@@ -20,6 +20,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    invalid: bool = False  # the error is the request's own (a client error), e.g. its grammar
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
     # One entry per token in token_ids when params.top_logprobs is set, else None.
     logprobs: list[PositionLogprobs] | None = None
@@ -39,6 +40,7 @@ class CompletionOutput:
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s
     logprobs: list[PositionLogprobs] | None = None  # per generated token (params.top_logprobs)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why, when finish_reason is "error" (e.g. a grammar that failed)
 
     def extend(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -51,4 +53,5 @@ class CompletionOutput:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+            self.error = out.error
             self.metrics.update(out.metrics or {})

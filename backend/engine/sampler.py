@@ -1,6 +1,6 @@
 """Turns a batch of next-token logits into chosen token ids (the per-step hot path).
 
-Order per row: penalties -> min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p
+Order per row: grammar mask (structured output) -> penalties -> min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p
 -> min-p -> sample. Each stage only touches the rows that need it, so the common cases (all greedy,
 or plain temperature sampling) cost one or two passes over the logits.
 """
@@ -185,9 +185,16 @@ def apply_min_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _on_active_rows(logits, p > 0.0, run)
 
 
+class LogitsMask(Protocol):
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None: ...
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: set[int] | frozenset[int], seed: int | None = None) -> None:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int], seed: int | None = None,
+                 mask: LogitsMask | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Structured output (backend/engine/guided.py): masks constrained rows in place first.
+        self.mask = mask
         # Unseeded rows draw from here; randomly seeded so restarts do not repeat the same "random"
         # outputs (torch.Generator() alone always starts from the same fixed seed).
         self._generator = torch.Generator()
@@ -204,6 +211,8 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs]
         raw = logits[lp_rows] if lp_rows else None  # advanced indexing copies before we edit
 
+        if self.mask is not None:  # before penalties, temperature and filters; logprobs stay raw
+            self.mask.apply(logits, rows)
         if any(_needs_penalties(p) for p in params):
             apply_penalties(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from backend.engine.guided_spec import GuidedSpec, guided_spec
+
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -35,6 +37,17 @@ class SamplingParams:
     # Per-token logprobs (RequestOutput.logprobs): None = off; k = the chosen token's logprob plus
     # the k most likely tokens at each position (OpenAI's top_logprobs; vLLM's `logprobs=k`).
     top_logprobs: int | None = None
+    # Structured output (at most one; backend/engine/guided_spec.py): the output is constrained,
+    # token by token, to match a JSON schema (a dict or its JSON text), a regex, one of a list of
+    # strings, an EBNF grammar (xgrammar's dialect), or response_format {"type": "json_object"}
+    # (any JSON) / {"type": "json_schema", "json_schema": {"schema": ...}}. The request stops
+    # ("stop") when the grammar is complete; max_tokens still caps it ("length": then the output
+    # may be incomplete). EOS is allowed only where the grammar may end.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +55,11 @@ class SamplingParams:
         if self.top_logprobs is not None:
             self.logprobs = True  # the chosen token's logprob (and the cumulative) come with them
         self.validate()
+
+    @property
+    def guided(self) -> GuidedSpec | None:
+        """The output constraint, validated and canonical, or None."""
+        return guided_spec(self)
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +100,7 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+        guided_spec(self)
 
 
 def _is_int(v: object) -> bool:

@@ -72,7 +72,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_schedulable, budget)
+            if n == 0:
+                continue  # waits for its grammar
             while not self.kv.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._youngest_other(seq)
                 self._preempt(victim)
@@ -84,15 +86,18 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]  # holds no blocks, has computed nothing
-                prefix = self.kv.match_prefix(seq)
+            for seq in list(self.waiting):  # each holds no blocks, has computed nothing
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                prefix = self.kv.match_prefix(seq)  # never covers the prompt's last token
                 cached = len(prefix) * self.kv.block_size
-                n = min(seq.num_tokens - cached, budget)
+                n = min(seq.num_schedulable - cached, budget)
+                if n <= 0:
+                    continue  # its one uncached token waits for its grammar: the next may pass
                 reserve = self.watermark if self.running else 0
                 if not self.kv.allocate(seq, cached + n, reserve=reserve, prefix=prefix):
                     break  # FCFS: nobody overtakes the oldest waiting request
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 seq.num_computed_tokens = cached
                 if seq.num_cached_tokens is None:  # a recompute after preemption keeps the first
                     seq.num_cached_tokens = cached

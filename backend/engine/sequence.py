@@ -41,6 +41,7 @@ class Sequence:
     collective_seconds: float = 0.0  # ... of which inside tensor-parallel collectives
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    guided: object | None = None  # GuidedState (backend/engine/guided.py) of a constrained request
 
     @property
     def num_tokens(self) -> int:
@@ -57,3 +58,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the scheduler may compute now: a constrained request whose grammar is still
+        compiling keeps back its last token (the one whose logits are sampled)."""
+        n = self.num_uncomputed
+        return n - 1 if self.guided is not None and not self.guided.started else n

@@ -38,6 +38,12 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ignore_eos": ("bool", "ignore_eos"),
     "include_stop_str_in_output": ("bool", "include_stop_str_in_output"),
     "skip_special_tokens": ("bool", "skip_special_tokens"),
+    # Structured output (vLLM's names); "json" values may also be given as JSON text.
+    "guided_json": ("json", "guided_json"),
+    "guided_regex": ("str", "guided_regex"),
+    "guided_choice": ("json", "guided_choice"),
+    "guided_grammar": ("str", "guided_grammar"),
+    "response_format": ("json", "response_format"),
     "beam_width": ("int", ".beam_width"),
     "n": ("int", ".beam_width"),
     "best_of": ("int", ".best_of"),  # older OpenAI frontends forward it (default 1)
@@ -107,6 +113,14 @@ def _text(name: str, v) -> str:
 
 def convert(name: str, kind: str, v):
     """One client value -> the Python value of `kind`, or ValueError naming `name`."""
+    if kind in ("str", "json"):
+        v = _text(name, _one(name, v)) if not isinstance(v, (dict, list)) else v
+        if kind == "json" and isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name}: not valid JSON ({e.msg} at char {e.pos})") from None
+        return v
     if kind == "strs":
         if isinstance(v, np.ndarray):
             v = v.reshape(-1).tolist()
@@ -200,7 +214,7 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
             if v is not None:
                 name = f"sampling_parameters.{k}"
                 kind = FIELDS[k][0]
-                if isinstance(v, list) and kind not in ("strs", "ints"):  # JSON, not a tensor
+                if isinstance(v, list) and kind not in ("strs", "ints", "json"):  # JSON, not a tensor
                     raise ValueError(f"{name}: must be a single value, not a list ({v!r})")
                 values[FIELDS[k][1]] = (name, convert(name, kind, v))
     for k, v in (parameters or {}).items():

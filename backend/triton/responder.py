@@ -151,7 +151,8 @@ class Responder:
             msg = out.error or "request failed"
             if out.finish_reason == "abort":
                 msg = f"request aborted: {msg}"
-            self.send_error(state.sender, msg)
+            code = getattr(pb.TritonError, "INVALID_ARG", None) if out.invalid else None
+            self.send_error(state.sender, msg, code)
             return False
         ttft = record_tokens(state, out, now)
         if ttft is not None:
