@@ -209,7 +209,8 @@ def test_linear_into_equals_linear(dtype):
         assert slot[m * 300:].isnan().all()
 
 
-@pytest.mark.skipif(not cpu_ops._fast_prefill(64), reason="the portable (generic) kernel build has no prefill attention")
+@pytest.mark.skipif(not cpu_ops._fast_prefill(64),
+                    reason="the portable (generic) kernel build has no prefill attention")
 @pytest.mark.parametrize("tokens, prefix", [(1, 0), (7, 0), (37, 0), (300, 0), (13, 50), (64, 200)])
 @pytest.mark.parametrize("hq, hkv, kv_index", [(9, 3, None), (4, 4, None), (5, 2, [0, 0, 0, 1, 1])])
 @pytest.mark.parametrize("block_size", [16, 5])
