@@ -192,14 +192,28 @@ UNCOMPILABLE = [
 def test_uncompilable_constraints_fail_alone(smollm):
     reqs = {f"bad{i}": ("Hi", SamplingParams(temperature=0, max_tokens=8, **{f: v}))
             for i, (f, v) in enumerate(UNCOMPILABLE)}
-    reqs["good"] = ("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    reqs["good"] = ("The capital of France is", SamplingParams(temperature=0, max_tokens=8,
+                                                              top_logprobs=2))
     want = _run_engine(smollm.engine, {"ref": reqs["good"]})["ref"][1]
-    res = _run_engine(smollm.engine, reqs)
+    chosen = []  # the good row's per-token logprobs stay its own beside the failures' outputs
+    real_step = smollm.engine.step
+
+    def step():
+        outs = real_step()
+        chosen.extend(p.chosen.token_id for o in outs if o.request_id == "good"
+                      for p in o.logprobs or [])
+        return outs
+    smollm.engine.step = step
+    try:
+        res = _run_engine(smollm.engine, reqs)
+    finally:
+        del smollm.engine.step
     for i, (field, _) in enumerate(UNCOMPILABLE):
         text, ids, out = res[f"bad{i}"]
         assert (out.finish_reason, out.invalid, text, ids) == ("error", True, "", [])
         assert out.error.startswith(f"{field}: cannot be compiled for this model"), out.error
     assert res["good"][1] == want and res["good"][2].finish_reason == "length"
+    assert chosen == want
 
 
 def test_request_parsing_of_constraints():

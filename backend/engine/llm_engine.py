@@ -332,9 +332,11 @@ class LLMEngine:
             seq.collective_seconds += comm_s
         if sampling:
             sampled = self.sampler(logits, sampling)
-            for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-                outputs.append(self._append_token(seq, tok, lp))
-            self._attach_logprobs(outputs, sampled.position_logprobs)
+            # row-aligned with sampled.position_logprobs (outputs may already hold grammar errors)
+            step_outputs = [self._append_token(seq, tok, lp) for seq, tok, lp in
+                            zip(sampling, sampled.token_ids, sampled.logprobs)]
+            self._attach_logprobs(step_outputs, sampled.position_logprobs)
+            outputs += step_outputs
         t2 = time.perf_counter()
         self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
