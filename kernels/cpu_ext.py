@@ -147,7 +147,9 @@ def _prepare(v: Variant) -> dict:
     bindirs = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
     os.environ["PATH"] = os.pathsep.join([*bindirs, os.environ.get("PATH", "")])
     return dict(name=v.module, sources=[str(p) for p in _SOURCES],
-                extra_cflags=_CFLAGS + list(v.cflags), extra_ldflags=_LDFLAGS,
+                # copies: cpp_extension appends torch's libraries to extra_ldflags in place, which
+                # changed this module's _LDFLAGS, hence every later cache key in the process
+                extra_cflags=_CFLAGS + list(v.cflags), extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir), verbose=False)
 
 

@@ -21,3 +21,15 @@ def test_stale_torch_lock_does_not_block_a_load():
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not stale.exists()
+
+
+def test_cache_keys_do_not_change_after_a_build():
+    """cpp_extension appends to the extra_ldflags list it is given; if that list were the
+    module's own, every build would change the keys of the builds after it (make setup then
+    built variants under keys no later process looks for, and rebuilt the selected one)."""
+    if cpu_ext.load() is None:
+        no_cpu_kernels()
+    keys = lambda: {n: cpu_ext._cache_dir(cpu_ext._variant(n)) for n in cpu_ext.runnable()}  # noqa: E731
+    before = keys()
+    cpu_ext.build(cpu_ext.selected_variant().name)  # built already: ninja has nothing to do
+    assert keys() == before
