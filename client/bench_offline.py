@@ -13,7 +13,7 @@ import time
 import torch
 
 from backend import LLM, SamplingParams
-from backend.engine.llm_engine import resolve_model_dir
+from backend.engine.model_files import resolve_model_dir
 from backend.model.config import ModelConfig
 from client import benchutil as bu
 from client import floors

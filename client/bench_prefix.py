@@ -205,7 +205,7 @@ def workloads(args, tokenizer) -> list[tuple[str, callable]]:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from backend.engine.llm_engine import resolve_model_dir
+    from backend.engine.model_files import resolve_model_dir
     model_dir = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     jobs = workloads(args, tokenizer)

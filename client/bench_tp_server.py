@@ -62,7 +62,7 @@ class ServerLayout:
 def run(args, layouts: list[Layout]) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from backend.engine.llm_engine import resolve_model_dir
+    from backend.engine.model_files import resolve_model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.model)))
     return interleave([ServerLayout(la, args, tokenizer) for la in layouts], args.repeats)
 

@@ -8,7 +8,6 @@ import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -19,6 +18,7 @@ from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.guided import GuidedMasker, GuidedState
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.logprobs import decode_tokens
+from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampler import Sampler, make_generator
@@ -29,7 +29,6 @@ from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
 from backend.model.config import ModelConfig
-from backend.model.errors import ModelLoadError
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
@@ -45,32 +44,6 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     guided: GuidedState | None = None  # its grammar compiles from prepare_request on
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    if model is None or model == "":
-        from backend.model.gguf_import import default_model_dir
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(f"{path}: model directory not found")
-    return path
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when it ships none (then prompts are token ids)."""
-    from transformers import AutoTokenizer
-    if not any((model_dir / f).exists() for f in TOKENIZER_FILES):
-        log.warning("%s has no tokenizer: prompts must be token ids, outputs carry no text",
-                    model_dir)
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer ({e})") from None
 
 
 class LLMEngine:
