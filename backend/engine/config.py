@@ -29,6 +29,10 @@ class EngineConfig:
     cpu_packed_gemm: bool = True
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
     enable_prefix_caching: bool = True
+    # speculative decoding by prompt lookup (speculation.py): draft tokens per step at most
+    # (0 = off), and the n-gram length matched against the sequence's own context
+    speculative_ngram: int = 0
+    speculative_ngram_match: int = 3
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
     device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)
@@ -47,6 +51,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        for name, low in (("speculative_ngram", 0), ("speculative_ngram_match", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads: must be an integer >= 1, got {self.num_threads!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

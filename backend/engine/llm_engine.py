@@ -24,6 +24,7 @@ from backend.engine.outputs import RequestOutput
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
+from backend.engine.speculation import NgramSpeculator
 from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
@@ -99,6 +100,11 @@ class LLMEngine:
             if self.tokenizer is not None else None
         self._grammar_waits: list[Sequence] = []  # admitted, grammar not started yet
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, mask=self.guided)
+        # verify rows stay within the decode buckets and the small-batch kernels' rows
+        self.speculator = NgramSpeculator(
+            config.speculative_ngram, config.speculative_ngram_match,
+            min(self.plan.decode_sizes[-1], getattr(self.runner.model.ops, "SMALL_M", 1 << 30))
+        ) if config.speculative_ngram else None
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.stats = EngineStats()
@@ -284,6 +290,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._start_grammars() if self._grammar_waits else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting),
+                                    self.config.max_num_seqs)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self._grammar_waits:  # only grammars to wait for: sleep until one is compiled
@@ -299,19 +308,23 @@ class LLMEngine:
         t1 = time.perf_counter()
         comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts: once accepted
             self.kv.cache_full_blocks(seq)  # their K/V are written now: others may share them
             seq.model_seconds += t1 - t0
             seq.collective_seconds += comm_s
+        appended = 0
         if sampling:
-            sampled = self.sampler(logits, sampling)
-            # row-aligned with sampled.position_logprobs (outputs may already hold grammar errors)
-            step_outputs = [self._append_token(seq, tok, lp) for seq, tok, lp in
-                            zip(sampling, sampled.token_ids, sampled.logprobs)]
-            self._attach_logprobs(step_outputs, sampled.position_logprobs)
-            outputs += step_outputs
+            rows = [r for seq in sampling for r in (
+                self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
+            sampled = self.sampler(logits, rows)
+            i = 0
+            for seq in sampling:  # a verified sequence owns 1 + drafts consecutive rows
+                n = 1 + len(seq.draft_token_ids)
+                outputs.append(self._sampled_output(seq, sampled, i, n))
+                appended += len(outputs[-1].token_ids)
+                i += n
         t2 = time.perf_counter()
-        self.stats.record_step(sched.num_tokens, len(sampling), t1 - t0, t2 - t1,
+        self.stats.record_step(sched.num_tokens, appended, t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
         self.stats.prefix_cache_queries += sched.prefix_queries
         self.stats.prefix_cache_hits += sched.prefix_hits
@@ -384,13 +397,32 @@ class LLMEngine:
             self.stats.finished_requests += 1
         return self._output(seq, delta, [token])
 
-    def _attach_logprobs(self, outputs: list[RequestOutput], positions: list) -> None:
-        """Per-token logprobs (rows with params.top_logprobs) onto their step outputs, with each
-        token's text (the tokenizer lives here, not in the sampler)."""
-        for out, pos in zip(outputs, positions):
-            if pos is not None:
-                out.logprobs = [decode_tokens(pos, self.tokenizer.decode)
-                                if self.tokenizer is not None else pos]
+    def _sampled_output(self, seq: Sequence, sampled, row: int, n: int) -> RequestOutput:
+        """Append what seq sampled in rows [row, row + n): its token, or (verifying n - 1
+        drafts) the drafts the model agrees with plus the model's next token, as one update."""
+        accepted = 0
+        if n > 1:
+            accepted = self.speculator.accept(seq, sampled.token_ids[row:row + n])
+            self.stats.spec_draft_tokens += n - 1
+            self.stats.spec_accepted_tokens += accepted
+            seq.draft_token_ids = []
+        parts = []
+        for r in range(row, row + accepted + 1):
+            parts.append(self._append_token(seq, sampled.token_ids[r], sampled.logprobs[r]))
+            self._attach_logprobs(parts[-1], sampled.position_logprobs[r])
+            if seq.finish_reason is not None:
+                return RequestOutput.merged(parts)
+        if accepted:  # the accepted drafts' K/V (written this step) now count as computed
+            seq.num_computed_tokens += accepted
+            self.kv.cache_full_blocks(seq)
+        return RequestOutput.merged(parts)
+
+    def _attach_logprobs(self, out: RequestOutput, pos) -> None:
+        """A token's logprobs (rows with params.top_logprobs) onto its output, with each token's
+        text (the tokenizer lives here, not in the sampler)."""
+        if pos is not None:
+            out.logprobs = [decode_tokens(pos, self.tokenizer.decode)
+                            if self.tokenizer is not None else pos]
 
     def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
         return RequestOutput(

@@ -25,6 +25,18 @@ class RequestOutput:
     # One entry per token in token_ids when params.top_logprobs is set, else None.
     logprobs: list[PositionLogprobs] | None = None
 
+    @staticmethod
+    def merged(parts: list["RequestOutput"]) -> "RequestOutput":
+        """Consecutive updates of one request as one (a step that accepted draft tokens): texts,
+        tokens and logprobs joined; the rest as of the last."""
+        out = parts[-1]
+        if len(parts) > 1:
+            out.text = "".join(p.text for p in parts)
+            out.token_ids = [t for p in parts for t in p.token_ids]
+            if out.logprobs is not None:
+                out.logprobs = [lp for p in parts for lp in p.logprobs or []]
+        return out
+
 
 @dataclass
 class CompletionOutput:

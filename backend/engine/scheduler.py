@@ -4,6 +4,8 @@ Every step has a token budget (max_num_batched_tokens). Running decodes go first
 each, so a long prompt never stalls them), then running prompts continue in chunks, then
 waiting requests join in arrival order. When KV blocks run out, the youngest running sequence
 is preempted: its blocks are freed and it is recomputed later (its tokens are kept).
+A decode carrying draft tokens (speculation.py) is scheduled as 1 + drafts tokens when the budget
+and the KV blocks allow, else as a plain decode (its drafts dropped, nobody preempted for them).
 
 With prefix caching, a request joining the batch first shares the cached blocks of its longest
 cached prefix (kv_manager.match_prefix) and computes only the rest, in chunks as usual; a
@@ -75,6 +77,13 @@ class Scheduler:
             n = min(seq.num_schedulable, budget)
             if n == 0:
                 continue  # waits for its grammar
+            if seq.draft_token_ids:  # a decode with drafts to verify: only if room is there
+                want = n + len(seq.draft_token_ids)
+                if want <= budget and self.kv.allocate(seq, seq.num_computed_tokens + want):
+                    scheduled[seq] = want
+                    budget -= want
+                    continue
+                seq.draft_token_ids = []
             while not self.kv.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._youngest_other(seq)
                 self._preempt(victim)
@@ -116,7 +125,7 @@ class Scheduler:
     def _trim_to_bucket(self, out: list[tuple[Sequence, int]]) -> None:
         """Shorten the last prompt chunk so the step's token count is exactly a bucket: the
         tokens cut run next step, instead of this step computing padding."""
-        chunks = [i for i, (_, n) in enumerate(out) if n > 1]
+        chunks = [i for i, (s, n) in enumerate(out) if n > 1 and not s.draft_token_ids]
         if not chunks:
             return
         total = sum(n for _, n in out)
@@ -135,6 +144,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)

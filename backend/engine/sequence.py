@@ -42,6 +42,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     guided: object | None = None  # GuidedState (backend/engine/guided.py) of a constrained request
+    # speculative decoding (speculation.py): this step's draft tokens (computed as extra decode
+    # rows, appended only once verified) and the sequence's drafting state (SpecState)
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,8 @@ class EngineStats:
     collective_seconds: float = 0.0  # part of model_seconds spent in TP collectives (rank 0)
     prefix_cache_queries: int = 0  # tokens of requests admitted with prefix caching on
     prefix_cache_hits: int = 0  # ... of which served from cached blocks (hit rate: the ratio)
+    spec_draft_tokens: int = 0  # n-gram draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # ... of which the model agreed with (appended for free)
 
     def record_step(self, tokens: int, sampled: int, model_s: float, sample_s: float,
                     preempted: int, collective_s: float = 0.0) -> None:

@@ -1,7 +1,8 @@
 """A scheduled step as plain arrays: built once on rank 0, pickled to every other rank.
 
-Decodes (one token each) come first, then prefill chunks; logits are taken only at the last
-token of each sequence whose chunk reaches its end (it samples the next token). With a bucket
+Decodes (one token each, or 1 + drafts rows when verifying drafts: every such row samples) come
+first, then prefill chunks; logits are taken only at the last token of each sequence whose chunk
+reaches its end (it samples the next token). With a bucket
 plan the step is padded to its bucket: a decode-only step gets extra decode rows that attend to
 the scratch block, a step with prompt chunks gets trailing rows that attend to nothing.
 """
@@ -39,10 +40,12 @@ class StepInputs:
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                       plan: BucketPlan | None = None) -> tuple[StepInputs, list[Sequence]]:
-    decodes = [(s, n) for s, n in scheduled if n == 1]
-    prefills = [(s, n) for s, n in scheduled if n > 1]
+    # a decode with drafts runs as 1 + drafts decode rows of the same sequence (speculation.py)
+    decodes = [(s, n) for s, n in scheduled if n == 1 or s.draft_token_ids]
+    prefills = [(s, n) for s, n in scheduled if n > 1 and not s.draft_token_ids]
+    rows = sum(n for _, n in decodes)
     scratch = SCRATCH_BLOCK * block_size
-    pad_decodes = plan.decode_bucket(len(decodes)) - len(decodes) if plan and not prefills else 0
+    pad_decodes = plan.decode_bucket(rows) - rows if plan and not prefills else 0
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -50,10 +53,15 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
     sampling: list[Sequence] = []
     chunks = []
     for seq, n in decodes + prefills:
-        start, c0, table = len(ids), seq.num_computed_tokens, seq.block_table
-        ids.extend(seq.token_ids[c0:c0 + n])
+        start, c0, table, draft = len(ids), seq.num_computed_tokens, seq.block_table, \
+            seq.draft_token_ids
+        ids.extend(seq.token_ids[c0:c0 + n] if not draft else seq.token_ids[c0:] + draft)
         positions.extend(range(c0, c0 + n))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c0, c0 + n))
+        if draft:  # every row samples: the model's token after each draft prefix
+            sampling.append(seq)
+            logits_idx.extend(range(start, start + n))
+            continue
         if n > 1:
             chunks.append((start, n, c0 + n, np.asarray(table, dtype=np.int64)))
         if c0 + n == seq.num_tokens:
@@ -67,13 +75,14 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                         np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
                         num_padding=num_padding)
     if decodes or pad_decodes:
-        rows = len(decodes) + pad_decodes
         width = max([len(s.block_table) for s, _ in decodes] + [1])
-        tables = np.full((rows, width), SCRATCH_BLOCK, dtype=np.int64)
-        lens = np.ones(rows, dtype=np.int64)  # padding rows see the one scratch slot
-        for i, (s, _) in enumerate(decodes):
-            tables[i, :len(s.block_table)] = s.block_table
-            lens[i] = s.num_computed_tokens + 1
+        tables = np.full((rows + pad_decodes, width), SCRATCH_BLOCK, dtype=np.int64)
+        lens = np.ones(rows + pad_decodes, dtype=np.int64)  # padding rows see the scratch slot
+        i = 0
+        for s, n in decodes:  # a draft row sees the cache up to its own position
+            tables[i:i + n, :len(s.block_table)] = s.block_table
+            lens[i:i + n] = np.arange(s.num_computed_tokens + 1, s.num_computed_tokens + n + 1)
+            i += n
         inputs.decode_block_tables, inputs.decode_context_lens = tables, lens
     return inputs, sampling
 

@@ -107,15 +107,13 @@ void check_storage(const torch::Tensor& t, const char* fn) {
               ": float32 or bfloat16 only");
 }
 
-// Work per decode task: whole KV blocks of one sequence. Short batches split each context into
-// several tasks (flash-decoding) so every thread has work; the partial softmax states are merged.
-constexpr int64_t kMinBlocksPerSplit = 4;
-
-int64_t choose_splits(int64_t B, int64_t max_blocks, int64_t threads) {
-  if (threads <= 1 || B >= 2 * threads) return 1;
-  const int64_t want = (2 * threads + B - 1) / B;
-  return std::max<int64_t>(1, std::min(want, max_blocks / kMinBlocksPerSplit));
-}
+// Work per decode task: whole KV blocks of one sequence. By default every context is cut into
+// splits of a fixed number of tokens (flash-decoding: short batches of long contexts still give
+// every thread work; the partial softmax states are merged in split order). Fixed, not chosen
+// from the batch: a row's result must not depend on what else is in its batch (speculative
+// decoding verifies drafts as extra rows and relies on greedy tokens staying identical; a
+// sequence's output should not change with the server's load either).
+constexpr int64_t kTokensPerSplit = 256;
 
 // Online-softmax update of one query head for a block whose raw scores are in s[0, n): turns them
 // into probabilities (in place) and returns the factor the head's accumulator must be scaled by.
@@ -288,8 +286,9 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t block_stride = k_cache.stride(0);
   int64_t max_blocks = 0;
   for (int64_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, (lp[b] + BS - 1) / BS);
-  const int64_t S = num_splits > 0 ? num_splits
-                                   : choose_splits(B, max_blocks, at::get_num_threads());
+  // explicit num_splits: each context in that many even parts (tests); else fixed-size parts
+  const int64_t fixed = std::max<int64_t>(1, kTokensPerSplit / BS);
+  const int64_t S = num_splits > 0 ? num_splits : std::max<int64_t>(1, (max_blocks + fixed - 1) / fixed);
   std::vector<int64_t> heads_by_kv, group_start;
   group_heads_by_kv(ip, Hq, Hkv, heads_by_kv, group_start);
   // partial states of every (sequence, split): acc [Hq, D], then max [Hq], then den [Hq]
@@ -299,7 +298,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     std::vector<float> qf(Hq * D), sc, kb, vb;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S, L = lp[b];
-      const int64_t nblk = (L + BS - 1) / BS, per = (nblk + S - 1) / S;
+      const int64_t nblk = (L + BS - 1) / BS, per = num_splits > 0 ? (nblk + S - 1) / S : fixed;
       float* acc = parts.data() + task * part;
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] = to_f(qp[b * q_rows + i]);
       attend_blocks<T>(qf.data(), kp, vp, tp + b * MB, L, std::min(nblk, s * per),

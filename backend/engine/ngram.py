@@ -1,0 +1,37 @@
+"""Prompt-lookup drafting: guess a sequence's next tokens by finding its last n tokens earlier in
+its own prompt + output and copying what followed them there. No draft model; it pays off where
+the output repeats the input (edits of code, copied lists, extraction, quoting).
+
+The index is built once per sequence (O(prompt)) and then extended by one n-gram per new
+token, so a proposal costs a dict lookup whatever the context length.
+"""
+from __future__ import annotations
+
+
+class NgramIndex:
+    """Where each n-gram of a token list last ended (the index of the token that followed it)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._next_of: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before token_ids[_indexed] are in the table
+
+    def _extend(self, token_ids: list[int], upto: int) -> None:
+        """Index the n-grams followed by a token in token_ids[:upto] (most recent wins)."""
+        n, table = self.n, self._next_of
+        for end in range(max(self._indexed, n), upto):
+            table[tuple(token_ids[end - n:end])] = end
+        self._indexed = max(self._indexed, upto)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the last n tokens;
+        [] when they never occurred before (or the context is shorter than n + 1)."""
+        length = len(token_ids)
+        if k <= 0 or length <= self.n:
+            return []
+        # every n-gram that has a known successor, i.e. ends before the current last token
+        self._extend(token_ids, length)
+        start = self._next_of.get(tuple(token_ids[length - self.n:]))
+        if start is None or start >= length:
+            return []
+        return token_ids[start:start + k]

@@ -1,0 +1,120 @@
+"""Speculative decoding without a draft model (n-gram / prompt lookup).
+
+Per step, each running greedy sequence that is decoding may get up to k draft tokens from its own
+context (ngram.py). The step then computes the sequence's last token plus its drafts as k + 1
+*decode rows* of the same sequence: row i is the token at position p + i and attends to the
+cache up to p + i (its own K/V and the rows before it are written before any attention runs).
+So verification uses exactly the decode kernels, and every row's logits are bit-identical to
+what plain decoding would compute at that position (the small-batch GEMV and the paged decode
+attention give a row the same result whatever else is in the batch), which is why greedy output
+is token-identical with speculation on (float32). Each row's logits go through the normal
+sampler; the sequence keeps the longest run of drafts the model agrees with plus the model's
+own next token, and its computed-token count is wound back to the accepted positions (the K/V
+written for rejected drafts sit past it and are overwritten later).
+
+Only greedy requests speculate (temperature ~0, no grammar): a sampled request would need the
+rejection-sampling rule to keep its distribution, and a grammar would need its matcher advanced
+per draft; both simply decode one token a step. Penalties, min_tokens, stop strings and
+logprobs work unchanged: each row is sampled as a view of the sequence with the drafts before it
+appended.
+
+Adaptive: a sequence's k grows by one after a fully accepted draft and falls to one past its
+accepted count otherwise; after consecutive drafts with nothing accepted it stops proposing for
+a doubling number of steps (a no-overlap workload then runs plain decode steps). Drafts are only
+proposed while every running sequence is decoding and nothing waits for admission (prompts go
+first, and a verify step stays a decode-only step: the fused decode kernels), and only while the
+step's rows stay within `max_rows` (the small-batch kernels' range: big batches are
+compute-bound and gain nothing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.ngram import NgramIndex
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Sequence
+
+_GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
+_MAX_PAUSE = 64  # steps without proposals after repeated misses, at most
+
+
+@dataclass
+class SpecState:
+    """One sequence's drafting state."""
+    index: NgramIndex
+    k: int  # draft tokens to propose next time
+    misses: int = 0  # consecutive verifications that accepted nothing
+    pause: int = 0  # steps left without proposing
+
+
+@dataclass
+class DraftRow:
+    """A verify row as the sampler sees it: the sequence with the drafts before this row."""
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class NgramSpeculator:
+    max_draft: int  # speculative_ngram
+    match: int  # speculative_ngram_match
+    max_rows: int  # decode rows (drafts included) a step may have
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        p = seq.params
+        return seq.guided is None and p.temperature < _GREEDY_EPS
+
+    def propose(self, running: list[Sequence], waiting: int, max_num_seqs: int) -> None:
+        """Set draft_token_ids on the decoding sequences that get drafts this step."""
+        for seq in running:
+            seq.draft_token_ids = []
+        decoding = [s for s in running if s.num_uncomputed == 1]
+        if waiting or len(decoding) < len(running):
+            return  # admission and prompt chunks first (and verify steps stay decode-only)
+        # rows left: the step's decode rows, and every sampled row, stay within their limits
+        room = min(self.max_rows - len(decoding), max_num_seqs - len(running))
+        for seq in decoding:
+            if room <= 0:
+                break
+            if not self.eligible(seq):
+                continue
+            st = seq.spec
+            if st is None:
+                st = seq.spec = SpecState(NgramIndex(self.match), self.max_draft)
+            if st.pause > 0:
+                st.pause -= 1
+                continue
+            left = seq.params.max_tokens - seq.num_output_tokens - 1  # the bonus token is extra
+            draft = st.index.propose(seq.token_ids, min(st.k, room, left))
+            seq.draft_token_ids = draft
+            room -= len(draft)
+
+    def verify_rows(self, seq: Sequence) -> list[DraftRow]:
+        """The sampler rows of a verified sequence: the sequence itself, then one per draft."""
+        rows: list = [seq]
+        for i in range(1, len(seq.draft_token_ids) + 1):
+            rows.append(DraftRow(seq.params, seq.token_ids + seq.draft_token_ids[:i],
+                                 seq.num_prompt_tokens, seq.generator))
+        return rows
+
+    def accept(self, seq: Sequence, sampled: list[int]) -> int:
+        """How many of seq's drafts the model agrees with (sampled: its k + 1 rows' tokens);
+        adapts seq's k. The tokens to append are sampled[:accepted + 1]."""
+        draft = seq.draft_token_ids
+        a = 0
+        while a < len(draft) and sampled[a] == draft[a]:
+            a += 1
+        st = seq.spec
+        if a == len(draft):
+            st.k, st.misses = min(self.max_draft, len(draft) + 1), 0
+        else:
+            st.k = min(self.max_draft, a + 1)
+            st.misses = st.misses + 1 if a == 0 else 0
+            if st.misses >= 2:
+                st.pause = min(_MAX_PAUSE, 1 << st.misses)
+        return a

@@ -1,0 +1,213 @@
+"""Speculative decoding by prompt lookup: the n-gram index, the adaptive drafting, and the engine's
+output with speculation on equal to speculation off (greedy, float32: verify rows run the decode
+kernels, whose per-row results do not depend on the batch)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend import LLM, SamplingParams
+from backend.engine.ngram import NgramIndex
+from backend.engine.sequence import Sequence
+from backend.engine.speculation import NgramSpeculator
+
+
+def test_ngram_index_finds_the_most_recent_earlier_occurrence():
+    idx = NgramIndex(2)
+    ids = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
+    assert idx.propose(ids, 3) == [5, 6, 1]  # after the second [1, 2], not the first
+    ids += [5]
+    assert idx.propose(ids, 3) == [6, 1, 2]  # [2, 5] occurred once, followed by 6, 1, 2
+    ids += [9, 9]
+    assert idx.propose(ids, 3) == []  # [9, 9]: never seen before (the suffix itself is not)
+    assert idx.propose(ids + [9], 2) == [9]  # [9, 9] then 9: only one token followed it
+    assert NgramIndex(3).propose([1, 2, 3], 4) == []  # too short to have a predecessor
+    assert NgramIndex(1).propose([7, 8, 7], 0) == []
+
+
+def _running(ids: list[int], temperature: float = 0.0, max_tokens: int = 100) -> Sequence:
+    seq = Sequence("s", list(ids), len(ids) - 1, SamplingParams(temperature=temperature,
+                                                                max_tokens=max_tokens), 0)
+    seq.num_computed_tokens = len(ids) - 1  # decoding: only the last token is new
+    return seq
+
+
+def test_propose_limits_and_adaptive_k():
+    spec = NgramSpeculator(max_draft=4, match=2, max_rows=8)
+    ids = list(range(10)) + [3, 4]
+    greedy, sampled = _running(ids), _running(ids, temperature=0.7)
+    spec.propose([greedy, sampled], waiting=0, max_num_seqs=8)
+    assert greedy.draft_token_ids == [5, 6, 7, 8] and sampled.draft_token_ids == []
+    spec.propose([greedy], waiting=1, max_num_seqs=8)  # admission first: no drafts
+    assert greedy.draft_token_ids == []
+    spec.propose([greedy], waiting=0, max_num_seqs=3)  # sampled rows stay <= max_num_seqs
+    assert greedy.draft_token_ids == [5, 6]
+    short = _running(ids, max_tokens=3)  # 1 generated so far... the bonus token counts too
+    short.num_prompt_tokens = len(ids) - 1
+    spec.propose([short], waiting=0, max_num_seqs=8)
+    assert short.draft_token_ids == [5]
+    # adaptive: all accepted -> k stays at most max_draft; one accepted -> k = 2
+    greedy.draft_token_ids = [5, 6, 7, 8]
+    assert spec.accept(greedy, [5, 6, 7, 8, 9]) == 4 and greedy.spec.k == 4
+    greedy.draft_token_ids = [5, 6, 7, 8]
+    assert spec.accept(greedy, [5, 0, 0, 0, 0]) == 1 and greedy.spec.k == 2
+    # two misses in a row: no proposals for the next 4 steps, then again
+    for _ in range(2):
+        greedy.draft_token_ids = [5, 6]
+        assert spec.accept(greedy, [0, 0, 0]) == 0
+    for _ in range(4):
+        spec.propose([greedy], waiting=0, max_num_seqs=8)
+        assert greedy.draft_token_ids == []
+    spec.propose([greedy], waiting=0, max_num_seqs=8)
+    assert greedy.draft_token_ids == [5]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+class OracleDrafts:
+    """Stands in for NgramIndex: drafts the reference run's own continuation, with some drafts
+    wrong on purpose (a random model never copies its prompt, so real n-grams rarely hit): every
+    path of verification is taken — all accepted, some, none — deterministically."""
+    expected: list[list[int]] = []
+
+    def __init__(self, n: int):
+        pass
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for full in self.expected:
+            if full[:len(token_ids)] == token_ids:
+                draft = full[len(token_ids):len(token_ids) + k]
+                where = len(token_ids) % 4  # 0: none right, 1: first only, 2: two, 3: all
+                if where < len(draft):
+                    draft[where] = (draft[where] + 1) % 500
+                return draft
+        return [7, 7]  # not a reference sequence: a wrong guess
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    monkeypatch.setattr("backend.engine.speculation.NgramIndex", OracleDrafts)
+    OracleDrafts.expected = []
+    return OracleDrafts
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_text_model):
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=256)
+    on = LLM(**kw, speculative_ngram=4, speculative_ngram_match=2)
+    off = LLM(**kw, warmup=False)
+    yield on, off
+    on.close(), off.close()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _reference(off: LLM, prompts, sps, oracle) -> list:
+    want = off.generate(prompts, sps)
+    oracle.expected = [list(p) + w.token_ids for p, w in zip(prompts, want)]
+    return want
+
+
+def test_greedy_tokens_identical_with_speculation(pair, oracle):
+    on, off = pair
+    before = on.stats
+    prompts = [_ids(30 + i, i) for i in range(5)]
+    want = _reference(off, prompts, GREEDY, oracle)
+    got = on.generate(prompts, GREEDY)  # together: verify rows of several sequences per step
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    for p, w in zip(prompts[:2], want):  # alone: a batch-1 step of 1 + k rows
+        assert on.generate(p, GREEDY)[0].token_ids == w.token_ids
+    s = on.stats
+    drafted = s["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert 0 < accepted < drafted
+    # accepted drafts are tokens that took no step of their own
+    assert s["steps"] - before["steps"] < s["sampled_tokens"] - before["sampled_tokens"]
+    assert s["cold_path"] == {}  # verify steps are decode buckets, warmed before ready
+    assert off.stats["spec_draft_tokens"] == 0
+    on.engine.kv.check([])
+
+
+def test_stops_inside_an_accepted_run_and_logprobs(pair, oracle):
+    on, off = pair
+    prompt = _ids(33, 7)
+    full = off.generate(prompt, GREEDY)[0].token_ids
+    stop_at = full[len(full) // 2]
+    for sp in (SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_at]),
+               SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, top_logprobs=2,
+                              repetition_penalty=1.3, min_tokens=5)):
+        w = _reference(off, [prompt], sp, oracle)[0]
+        g = on.generate(prompt, sp)[0]
+        assert (g.token_ids, g.finish_reason, g.stop_reason) == \
+            (w.token_ids, w.finish_reason, w.stop_reason)
+        assert g.text == w.text and g.num_output_tokens == w.num_output_tokens
+        if sp.top_logprobs:
+            assert len(g.logprobs) == len(g.token_ids)
+            assert g.logprobs == w.logprobs  # bit-identical rows: equal floats
+            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+    on.engine.kv.check([])
+
+
+def test_sampled_and_greedy_requests_together(pair, oracle):
+    """A seeded sampled request beside greedy ones that speculate: it never gets drafts, and its
+    tokens are the same as without speculation (its rows' logits do not depend on the batch)."""
+    on, off = pair
+    prompts = [_ids(31, 11), _ids(32, 12), _ids(33, 13)]
+    sps = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=40,
+                                  ignore_eos=True), GREEDY]
+    want = _reference(off, prompts, sps, oracle)
+    before = on.stats["spec_draft_tokens"]
+    assert [o.token_ids for o in on.generate(prompts, sps)] == [o.token_ids for o in want]
+    assert on.stats["spec_draft_tokens"] > before
+
+
+def test_preemption_and_chunked_prefill_with_speculation(tiny_text_model, oracle):
+    """A pool too small for every sequence (preemptions, recompute) and a 16-token step budget
+    (prompts in chunks, requests joining while others decode): the same tokens, no leak."""
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=20, block_size=8, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    prompts = [_ids(40, 20 + i) for i in range(5)]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(**kw, speculative_ngram=3, speculative_ngram_match=2) as on, \
+            LLM(**kw, warmup=False) as off:
+        want = _reference(off, prompts, sp, oracle)
+        got = on.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert on.stats["preemptions"] > 0 and on.stats["spec_accepted_tokens"] > 0
+        assert on.stats["cold_path"] == {}
+        on.engine.kv.check([])
+
+
+def test_ngram_drafts_pay_off_on_a_copying_task(default_model_dir):
+    """The real drafter on the real model: asked to copy a list, it accepts most drafts, and the
+    tokens are those of plain greedy decoding."""
+    items = ", ".join(f"item {i}: {w}" for i, w in enumerate(
+        "apple river stone cloud maple tiger violet anchor pepper silver".split()))
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, num_kv_blocks=64, warmup=False)
+    with LLM(str(default_model_dir), **kw, speculative_ngram=4) as on:
+        prompt = on.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat this list exactly:\n{items}"}],
+            tokenize=False, add_generation_prompt=True)
+        g = on.generate(prompt, sp)[0]
+        stats = on.stats
+    with LLM(str(default_model_dir), **kw) as off:
+        want = off.generate(prompt, sp)[0]
+    assert g.token_ids == want.token_ids
+    assert stats["spec_accepted_tokens"] >= len(g.token_ids) // 3, stats
+    assert stats["steps"] <= len(g.token_ids) * 3 // 4 + 2, stats
+
+
+def test_settings_are_validated(tiny_text_model):
+    for bad in (dict(speculative_ngram=-1), dict(speculative_ngram_match=0),
+                dict(speculative_ngram=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LLM(model=str(tiny_text_model), warmup=False, **bad)
