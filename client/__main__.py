@@ -121,16 +121,36 @@ def _cmd_bench_structured(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_structured")
 
 
+def speculation_args(p: argparse.ArgumentParser) -> None:
+    """The options of speculative decoding's workloads (bench speculation, bench decode)."""
+    p.add_argument("--k", type=int, default=4, help="speculative_ngram: drafts per step (default 4)")
+    p.add_argument("--match", type=int, default=3, help="speculative_ngram_match (default 3)")
+    p.add_argument("--prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
+    p.add_argument("--max-tokens", type=int, default=192, help="output tokens at most (default 192)")
+    p.add_argument("--concurrency", type=int, default=64, help="requests of (c) (default 64)")
+    p.add_argument("--server", action="store_true", help="through tritonserver (gRPC streaming)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+
+
+def _cmd_bench_speculation(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("speculation", help="n-gram speculative decoding on vs off")
+    _runtime_args(p)
+    speculation_args(p)
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/speculation-<ts>.json)")
+    p.set_defaults(runner="client.bench_speculation")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart,clients,prefix,structured}")
+                             metavar="{offline,tp,coldstart,clients,prefix,structured,speculation}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
     _cmd_bench_clients(bench)
     _cmd_bench_prefix(bench)
     _cmd_bench_structured(bench)
+    _cmd_bench_speculation(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

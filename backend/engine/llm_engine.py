@@ -20,7 +20,7 @@ from backend.engine.kv_manager import KVCacheManager
 from backend.engine.logprobs import decode_tokens
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
-from backend.engine.outputs import RequestOutput
+from backend.engine.outputs import RequestOutput, output_for
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
@@ -29,10 +29,10 @@ from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
+from backend.engine.tp_launch import launch_group
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
-from backend.parallel.partition import split_range
 
 log = logging.getLogger("backend.engine")
 _NO_TEXT = DetokenizerUpdate("", False, None)
@@ -151,27 +151,11 @@ class LLMEngine:
 
     def _launch_group(self, cfg: ModelConfig, num_blocks: int,
                       threads: int | None) -> ParallelContext:
-        from backend.parallel.group import TPGroup
-        from backend.parallel.spec import WorkerSpec
-        c, tp = self.config, self.config.tensor_parallel_size
-        vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))
-        slot_bytes = c.torch_dtype.itemsize * max(c.max_num_batched_tokens * cfg.hidden_size,
-                                                  c.max_num_seqs * vocab_shard)
-        # multi-host: rank 0 hosts the store; its own and its local workers' gloo sockets bind
-        # to the master address, which the other hosts reach
-        addr, port = c.resolved_master() if c.tp_remote_ranks else ("", 0)
-        self.group = TPGroup(WorkerSpec(
-            rank=0, world=tp, store_path="", shm_name="", slot_bytes=slot_bytes,
-            model_dir=str(self.model_dir), dtype=c.dtype, num_blocks=num_blocks,
-            block_size=c.block_size, max_model_len=self.max_model_len, num_threads=threads,
-            cpu=0 if c.pin_cpus else None, device=str(self.device),
-            cuda_graphs=self.uses_cuda_graphs, decode_sizes=self.plan.decode_sizes,
-            packed_rows=self.packed_rows,
-            master_addr=addr, master_port=port, gloo_host=addr,
-            collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0),
-            c.torch_dtype, local_ranks=c.tp_local_ranks)
+        self.group = launch_group(self.config, cfg, self.model_dir, num_blocks, threads,
+                                  self.max_model_len, self.plan.decode_sizes, self.packed_rows,
+                                  self.uses_cuda_graphs, self.device)
         weakref.finalize(self, self.group.close)
-        if c.pin_cpus:
+        if self.config.pin_cpus:
             os.sched_setaffinity(0, {0})
         return self.group.ctx
 
@@ -272,7 +256,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        return self._output(seq, "", [])
+        return output_for(seq, "", [])
 
     def abort_all(self, reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
         outs = []
@@ -395,7 +379,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
             self.stats.finished_requests += 1
-        return self._output(seq, delta, [token])
+        return output_for(seq, delta, [token])
 
     def _sampled_output(self, seq: Sequence, sampled, row: int, n: int) -> RequestOutput:
         """Append what seq sampled in rows [row, row + n): its token, or (verifying n - 1
@@ -423,19 +407,3 @@ class LLMEngine:
         if pos is not None:
             out.logprobs = [decode_tokens(pos, self.tokenizer.decode)
                             if self.tokenizer is not None else pos]
-
-    def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id, text=text, token_ids=token_ids,
-            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
-            num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs else None,
-            stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens or 0,
-            metrics=_metrics(seq) if seq.finish_reason is not None else None)
-
-
-def _metrics(seq: Sequence) -> dict:
-    now = time.perf_counter()
-    return {"ttft_s": None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-            "e2e_s": now - seq.arrival_time, "model_s": seq.model_seconds,
-            "collective_s": seq.collective_seconds, "preemptions": seq.num_preemptions}

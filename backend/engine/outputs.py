@@ -1,9 +1,14 @@
 """What the engine hands back: per-step deltas for streaming, whole results for offline use."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.engine.logprobs import PositionLogprobs
+
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
 
 
 @dataclass
@@ -67,3 +72,21 @@ class CompletionOutput:
             self.stop_reason = out.stop_reason
             self.error = out.error
             self.metrics.update(out.metrics or {})
+
+
+def output_for(seq: "Sequence", text: str, token_ids: list[int]) -> RequestOutput:
+    """seq's update carrying `text` and `token_ids` (new since its previous update)."""
+    return RequestOutput(
+        request_id=seq.request_id, text=text, token_ids=token_ids,
+        finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+        num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+        cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs else None,
+        stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens or 0,
+        metrics=_metrics(seq) if seq.finish_reason is not None else None)
+
+
+def _metrics(seq: "Sequence") -> dict:
+    now = time.perf_counter()
+    return {"ttft_s": None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            "e2e_s": now - seq.arrival_time, "model_s": seq.model_seconds,
+            "collective_s": seq.collective_seconds, "preemptions": seq.num_preemptions}

@@ -34,6 +34,9 @@ COUNTERS = {
                                       "they joined the batch (a recompute after preemption again)",
     "llm_prefix_cache_hits_total": "Of llm_prefix_cache_queries_total, tokens served from cached "
                                    "KV blocks (hit rate: hits / queries)",
+    "llm_spec_draft_tokens_total": "Speculative decoding: n-gram draft tokens verified",
+    "llm_spec_accepted_tokens_total": "Of llm_spec_draft_tokens_total, drafts the model agreed "
+                                      "with (tokens that took no step of their own)",
 }
 GAUGES = {
     "llm_num_requests_running": "Requests in the running batch",
@@ -94,7 +97,7 @@ class Metrics:
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
         (steps, sampled_tokens, preemptions, cold_path, model_seconds, collective_seconds,
-        prefix_cache_queries, prefix_cache_hits)."""
+        prefix_cache_queries, prefix_cache_hits, spec_draft_tokens, spec_accepted_tokens)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
             return
@@ -111,7 +114,9 @@ class Metrics:
                           ("model_seconds", "llm_model_seconds_total"),
                           ("collective_seconds", "llm_collective_seconds_total"),
                           ("prefix_cache_queries", "llm_prefix_cache_queries_total"),
-                          ("prefix_cache_hits", "llm_prefix_cache_hits_total")):
+                          ("prefix_cache_hits", "llm_prefix_cache_hits_total"),
+                          ("spec_draft_tokens", "llm_spec_draft_tokens_total"),
+                          ("spec_accepted_tokens", "llm_spec_accepted_tokens_total")):
             v = snapshot.get(key)
             if v is None:
                 continue
@@ -145,4 +150,6 @@ def engine_snapshot(engine) -> dict[str, float]:
         "model_seconds": stats.model_seconds, "collective_seconds": stats.collective_seconds,
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
+        "spec_draft_tokens": stats.spec_draft_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
     }

@@ -25,6 +25,8 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "cuda_graphs": (bool, "cuda_graphs"),
     "cpu_packed_gemm": (bool, "cpu_packed_gemm"),
     "enable_prefix_caching": (bool, "enable_prefix_caching"),
+    "speculative_ngram": (int, "speculative_ngram"),
+    "speculative_ngram_match": (int, "speculative_ngram_match"),
     # TP across hosts (docs/parallelism.md): the other hosts run `python -m backend.parallel.node`
     "tp_local_ranks": (int, "tp_local_ranks"),
     "tp_master_addr": (str, "tp_master_addr"),
