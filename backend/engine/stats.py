@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 class EngineStats:
     steps: int = 0
     scheduled_tokens: int = 0  # prompt + decode tokens run through the model
-    sampled_tokens: int = 0
+    sampled_tokens: int = 0  # tokens appended (accepted speculative drafts included)
     preemptions: int = 0
     finished_requests: int = 0
     model_seconds: float = 0.0  # scheduling + input prep + forward

@@ -24,7 +24,8 @@ COUNTERS = {
     "llm_prompt_tokens_total": "Prompt tokens of finished requests",
     "llm_generation_tokens_total": "Generated tokens of finished requests",
     "llm_engine_steps_total": "Engine steps (one forward pass each)",
-    "llm_engine_sampled_tokens_total": "Tokens sampled by the engine (per-step batch sizes summed)",
+    "llm_engine_sampled_tokens_total": "Tokens appended by engine steps (per-step batch sizes "
+                                       "summed; accepted speculative drafts included)",
     "llm_preemptions_total": "Sequences preempted for lack of KV blocks",
     "llm_cold_path_events_total": "Work after READY that warmup should have done (steady state: 0)",
     "llm_model_seconds_total": "Engine time in steps: scheduling, input prep and forward passes",
