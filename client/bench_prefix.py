@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import random
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from client import benchutil as bu
 
@@ -93,16 +91,12 @@ class ServerTarget:
     """A tritonserver on free ports with enable_prefix_caching set."""
 
     def __init__(self, args, caching: bool, tokenizer):
-        from client.server import Server, make_repo
-        params = {"enable_prefix_caching": str(caching).lower(), "num_threads": str(args.threads),
-                  "dtype": args.dtype, "max_num_seqs": "64",
-                  "kv_cache_memory_gb": str(args.kv_cache_gb)}
-        if args.model:
-            params["model"] = str(Path(args.model).resolve())
-        self._dir = tempfile.TemporaryDirectory(prefix="tpllm-bench-prefix-")
-        d = Path(self._dir.name)
-        self.server = Server(make_repo(d / "repo", params), d / "server.log")
-        self.server.wait_ready()
+        from client.server import BenchServer
+        self._bench = BenchServer({"enable_prefix_caching": str(caching).lower(),
+                                   "num_threads": str(args.threads), "dtype": args.dtype,
+                                   "max_num_seqs": "64", "kv_cache_memory_gb": str(args.kv_cache_gb)},
+                                  args.model, "tpllm-bench-prefix-")
+        self.server = self._bench.server
         self.tokenizer = tokenizer
 
     def submit(self, prompt: str, max_tokens: int) -> Result:
@@ -124,8 +118,7 @@ class ServerTarget:
                 self.server.metric("llm_prefix_cache_hits_total"))
 
     def close(self) -> None:
-        self.server.stop()
-        self._dir.cleanup()
+        self._bench.stop()
 
 
 def closed_loop(target, prompts: list[str], concurrency: int, max_tokens: int) -> dict:

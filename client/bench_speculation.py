@@ -14,10 +14,8 @@ streaming, the client measuring.
 from __future__ import annotations
 
 import random
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 from client import benchutil as bu
 
@@ -111,16 +109,13 @@ class OfflineTarget:
 
 class ServerTarget:
     def __init__(self, args, k: int):
-        from client.server import Server, make_repo
-        params = {"speculative_ngram": str(k), "speculative_ngram_match": str(args.match),
-                  "num_threads": str(args.threads), "dtype": args.dtype,
-                  "max_num_seqs": str(max(64, args.concurrency))}
-        if args.model:
-            params["model"] = str(Path(args.model).resolve())
-        self._dir = tempfile.TemporaryDirectory(prefix="tpllm-bench-spec-")
-        d = Path(self._dir.name)
-        self.server = Server(make_repo(d / "repo", params), d / "server.log")
-        self.server.wait_ready()
+        from client.server import BenchServer
+        self._bench = BenchServer({"speculative_ngram": str(k),
+                                   "speculative_ngram_match": str(args.match),
+                                   "num_threads": str(args.threads), "dtype": args.dtype,
+                                   "max_num_seqs": str(max(64, args.concurrency))},
+                                  args.model, "tpllm-bench-spec-")
+        self.server = self._bench.server
 
     def batch(self, prompts: list[str], max_tokens: int) -> list[str]:
         from client.generate import generate
@@ -144,8 +139,7 @@ class ServerTarget:
                 self.server.metric("llm_spec_accepted_tokens_total"))
 
     def close(self) -> None:
-        self.server.stop()
-        self._dir.cleanup()
+        self._bench.stop()
 
 
 def _count(target, results) -> int:

@@ -10,19 +10,17 @@ interleaved rounds (bench_layouts). The collective share comes from each server'
 from __future__ import annotations
 
 import statistics
-import tempfile
-from pathlib import Path
 
 from client import benchutil as bu
 from client.bench_layouts import Layout, interleave
 from client.serve_overhead import make_prompts, run_server
-from client.server import Server, make_repo
+from client.server import BenchServer, Server
 
 
 class ServerLayout:
     def __init__(self, layout: Layout, args, tokenizer):
         self.layout, self._args, self._tokenizer = layout, args, tokenizer
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self._bench: BenchServer | None = None
         self._srv: Server | None = None
 
     def start(self) -> None:
@@ -30,12 +28,8 @@ class ServerLayout:
         params = {"tensor_parallel_size": str(la.tp), "num_threads": str(la.threads),
                   "dtype": a.dtype, "max_num_batched_tokens": str(max(2048, a.input_len)),
                   "kv_cache_memory_gb": "1.0"}
-        if a.model:
-            params["model"] = str(Path(a.model).resolve())
-        self._dir = tempfile.TemporaryDirectory(prefix="tpllm-bench-tp-")
-        d = Path(self._dir.name)
-        self._srv = Server(make_repo(d / "repo", params), d / "server.log")
-        self._srv.wait_ready()
+        self._bench = BenchServer(params, a.model, "tpllm-bench-tp-")
+        self._srv = self._bench.server
         warm = make_prompts(self._tokenizer, a.concurrency, a.input_len)
         run_server(self._srv.grpc_url, "llm", warm, a.output_len)  # first requests: not counted
 
@@ -53,10 +47,8 @@ class ServerLayout:
                  "e2e_s": res["wall_s"], "collective_share": coll / model if model else 0.0}]
 
     def close(self) -> None:
-        if self._srv is not None:
-            self._srv.stop()
-        if self._dir is not None:
-            self._dir.cleanup()
+        if self._bench is not None:
+            self._bench.stop()
 
 
 def run(args, layouts: list[Layout]) -> list[dict]:

@@ -167,3 +167,26 @@ class Server:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self._log.close()
+
+
+class BenchServer:
+    """A ready tritonserver over a throwaway copy of model_repository/ with `params` set (and
+    `model`, an HF directory, when given): what the serving benchmarks start. stop() removes
+    the copy too."""
+
+    def __init__(self, params: dict[str, str], model: str | None = None, prefix: str = "tpllm-bench-"):
+        import tempfile
+        if model:
+            params = {**params, "model": str(Path(model).resolve())}
+        self._dir = tempfile.TemporaryDirectory(prefix=prefix)
+        d = Path(self._dir.name)
+        self.server = Server(make_repo(d / "repo", params), d / "server.log")
+        try:
+            self.server.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.server.stop()
+        self._dir.cleanup()
