@@ -1,0 +1,279 @@
+"""`python -m client bench decode`: batch-1 decode latency by threading mode (issue 17).
+
+Part 1: the time per output token (TPOT) of one sequence (default 1024 in / 64 out) for each
+way the C++ kernels can run their parallel loops: the project's worker team (csrc/thread_team.h;
+default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, ACTIVE, unset,
+GOMP_SPINCOUNT=10000). Each mode runs in a fresh process (libgomp reads its environment once,
+at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
+last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight read once per token,
+at the read bandwidth measured in this same run, before and after the modes: the best of both).
+
+Part 2 (speculative decoding) is added from client/bench_speculation.py: see PART 2 in main().
+
+A mode whose short probe (a few tokens) is slower than --give-up-ms per token is not run
+further (unbounded OpenMP spinning with the other core busy took > 2 s per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from client import benchutil as bu
+
+DEFAULT_MODES = "team,team-spin0,omp-passive,omp-active,omp-unset,omp-spin10k"
+# the variables a mode sets; every other one is removed from the child's environment
+_THREADING_VARS = ("TPLLM_THREADING", "TPLLM_SPIN_US", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+PROBE_TOKENS = 8
+
+
+def mode_env(name: str) -> dict[str, str]:
+    """The threading variables of mode `name`:
+      team            the worker team, its default spin (prefill GEMMs: OpenMP, PASSIVE)
+      team-spin<N>    the team, workers spin N us before sleeping
+      omp-passive | omp-active | omp-unset   at::parallel_for under that OMP_WAIT_POLICY
+      omp-spin<N>[k]  at::parallel_for, GOMP_SPINCOUNT=N (x1000 with k), policy unset"""
+    if name == "team":
+        return {"TPLLM_THREADING": "team", "OMP_WAIT_POLICY": "PASSIVE"}
+    if m := re.fullmatch(r"team-spin(\d+)", name):
+        return {"TPLLM_THREADING": "team", "TPLLM_SPIN_US": m.group(1),
+                "OMP_WAIT_POLICY": "PASSIVE"}
+    if m := re.fullmatch(r"omp-(passive|active)", name):
+        return {"TPLLM_THREADING": "omp", "OMP_WAIT_POLICY": m.group(1).upper()}
+    if name == "omp-unset":
+        return {"TPLLM_THREADING": "omp"}
+    if m := re.fullmatch(r"omp-spin(\d+)(k?)", name):
+        count = int(m.group(1)) * (1000 if m.group(2) else 1)
+        return {"TPLLM_THREADING": "omp", "GOMP_SPINCOUNT": str(count)}
+    raise ValueError(f"unknown mode {name!r} (team, team-spin<us>, omp-passive, omp-active, "
+                     "omp-unset, omp-spin<count>[k])")
+
+
+def _env_label(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items() if k != "TPLLM_THREADING")
+
+
+def child_env(mode: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _THREADING_VARS}
+    return env | mode_env(mode)
+
+
+def start_busy(cpu: int | None) -> subprocess.Popen:
+    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None)."""
+    pin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
+    return subprocess.Popen([sys.executable, "-c", pin + "while True:\n    pass\n"])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def run_cell(args, mode: str, load: str) -> dict:
+    """One mode under one load, in a fresh process; its measurements (or why there are none)."""
+    spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
+            "seed": args.seed, "give_up_ms": args.give_up_ms}
+    busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        busy = start_busy(busy_cpu) if load == "busy" else None
+        load0 = os.getloadavg()[0]
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "client.bench_decode", "--child", str(spec_path),
+                 str(out_path)], env=child_env(mode), capture_output=True, text=True,
+                timeout=args.cell_timeout)
+            rc, tail = proc.returncode, proc.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            rc, tail = None, f"timed out after {args.cell_timeout} s"
+        finally:
+            if busy is not None:
+                stop(busy)
+        cell = {"mode": mode, "load": load, "env": mode_env(mode), "loadavg_at_start": load0,
+                "loadavg_at_end": os.getloadavg()[0]}
+        if rc == 0 and out_path.exists():
+            return cell | json.loads(out_path.read_text())
+        return cell | {"error": f"exit {rc}: {tail}"}
+
+
+def child_main(spec_path: str, out_path: str) -> int:
+    """Runs in the mode's environment: loads the engine, probes, then times `repeats` requests."""
+    import torch
+    from backend import LLM, SamplingParams
+    from backend.engine.model_files import resolve_model_dir
+    from kernels import cpu_ext
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    model_dir = str(resolve_model_dir(spec["model"]))
+    llm = LLM(model=model_dir, dtype=spec["dtype"], num_threads=spec["threads"], max_num_seqs=4,
+              kv_cache_memory_gb=0.25, cpu_packed_gemm=False, warmup=False)
+    ext = cpu_ext.load()
+    vocab = llm.engine.model_config.vocab_size
+    prompts = bu.make_prompts(spec["repeats"] + 1, spec["input_len"], vocab, spec["seed"])
+    out = {"kernel_isa": cpu_ext.isa_level(),
+           "threading": ext.threading_mode() if ext is not None else "none",
+           "spin_us": ext.team_spin_us() if ext is not None else None,
+           "torch_threads": torch.get_num_threads()}
+
+    def one(prompt: list[int], tokens: int) -> dict:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        m = llm.generate([prompt], sp)[0].metrics
+        return {"ttft_s": m["ttft_s"], "tpot_s": (m["e2e_s"] - m["ttft_s"]) / max(1, tokens - 1)}
+
+    probe = one(prompts[0], min(PROBE_TOKENS, spec["tokens"]))  # also the warm-up
+    out["probe_tpot_s"] = probe["tpot_s"]
+    if probe["tpot_s"] * 1e3 > spec["give_up_ms"]:
+        out["gave_up"] = True
+    else:
+        before = ext.team_stats() if ext is not None else {}
+        runs = [one(p, spec["tokens"]) for p in prompts[1:]]
+        after = ext.team_stats() if ext is not None else {}
+        out |= {k: bu.summarize([r[k] for r in runs]) for k in ("ttft_s", "tpot_s")}
+        out["runs"] = runs
+        out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def _tpot(cell: dict | None) -> str:
+    if cell is None:
+        return "-"
+    if "error" in cell:
+        return "failed"
+    if cell.get("gave_up"):
+        return f"> {cell['probe_tpot_s'] * 1e3:.0f} (gave up)"
+    return bu.fmt_spread(cell["tpot_s"], 1e3)
+
+
+def _ratio(cell: dict | None, floor_s: float) -> float | None:
+    if cell is None or "tpot_s" not in cell:
+        return None
+    return cell["tpot_s"]["median"] / floor_s
+
+
+def _worker_share(cell: dict | None) -> str:
+    team = (cell or {}).get("team") or {}
+    return f"{100 * team['worker_chunks'] / team['chunks']:.0f}%" if team.get("chunks") else "-"
+
+
+def report(res: dict) -> str:
+    info, floor_s, loads = res["info"], res["floor"]["tpot_s"], res["config"]["loads"]
+    by = {(c["mode"], c["load"]): c for c in res["cells"]}
+    headers, rows = ["mode", "environment"], []
+    for load in loads:
+        headers += [f"{load} TPOT ms", "/floor"]
+    headers += [f"{load} TTFT ms" for load in loads[:1]]
+    headers += [f"team chunks on workers ({'/'.join(loads)})"]
+    for mode in res["config"]["modes"]:
+        row = [mode, _env_label(mode_env(mode)) or "-"]
+        for load in loads:
+            c = by.get((mode, load))
+            row += [_tpot(c), bu.fmt_num(_ratio(c, floor_s), 2)]
+        c0 = by.get((mode, loads[0]))
+        row.append(bu.fmt_spread(c0["ttft_s"], 1e3, 0) if c0 and "ttft_s" in c0 else "-")
+        row.append(" / ".join(_worker_share(by.get((mode, load))) for load in loads))
+        rows.append(row)
+    busy = res["config"]["busy"]
+    loadavg = ", ".join(f"{c['mode']}/{c['load']} {c['loadavg_at_start']:.2f}"
+                        for c in res["cells"])
+    errors = [f"  {c['mode']}/{c['load']}: {c['error'][-300:]}" for c in res["cells"]
+              if "error" in c]
+    rates = res["floor"]["bandwidth_gbs"]
+    text = [
+        bu.header_line(info),
+        f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights per token at "
+        f"{max(rates):.1f} GB/s read bandwidth (best of {', '.join(f'{r:.1f}' for r in rates)}) "
+        f"= {floor_s * 1e3:.1f} ms per token",
+        f"busy: {busy}",
+        "",
+        bu.table(f"Part 1: batch-1 decode, {res['config']['input_len']} in / "
+                 f"{res['config']['tokens']} out, {res['config']['repeats']} repeats per cell "
+                 "(median [min-max]), each mode in a fresh process",
+                 headers, rows),
+        "",
+        f"1-minute load average at the start of each cell: {loadavg}",
+    ]
+    if errors:
+        text += ["failed cells:", *errors]
+    text += ["", "targets (mode team):", bu.ratio_lines(res["ratios"])]
+    return "\n".join(text)
+
+
+def main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        mode_env(m)  # unknown names fail before anything runs
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads or set(loads) - {"quiet", "busy"}:
+        raise SystemExit(f"--loads: quiet and/or busy, not {args.loads!r}")
+    # this process only measures the floor: its OpenMP threads must not spin into a mode's run
+    if "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    import torch
+
+    from backend.engine.model_files import resolve_model_dir
+    from backend.model.config import ModelConfig
+    from client import floors
+
+    torch.set_num_threads(args.threads)
+    model_dir = str(resolve_model_dir(args.model))
+    cfg = ModelConfig.from_dir(model_dir)
+    cost = floors.ModelCost.from_config(cfg, getattr(torch, args.dtype))
+    info = bu.run_info(args.threads, args.dtype, model_dir)
+    info["omp_wait_policy"] = "per mode"
+    busy = ("none" if "busy" not in loads else
+            "one busy-loop process (python `while True: pass`) "
+            + (f"pinned to cpu {args.busy_cpu}" if args.busy_cpu >= 0 else "not pinned")
+            + "; the benchmark's own threads are not pinned")
+    config = dict(vars(args)) | {"modes": modes, "loads": loads, "busy": busy}
+    config.pop("runner", None)
+    res: dict = {"config": config, "info": info}
+
+    bandwidth = [floors.read_bandwidth_gbs()]
+    cells = []
+    for mode in modes:
+        for load in loads:
+            cells.append(run_cell(args, mode, load))
+            c = cells[-1]
+            print(f"{mode:>14} {load:>5}: {_tpot(c)} ms/token "
+                  f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
+    bandwidth.append(floors.read_bandwidth_gbs())
+    floor_s = cost.weight_bytes / (max(bandwidth) * 1e9)
+    res["cells"] = cells
+    res["floor"] = {"bandwidth_gbs": bandwidth, "weight_bytes": cost.weight_bytes,
+                    "tpot_s": floor_s, "cost": floors.cost_dict(cost)}
+    by = {(c["mode"], c["load"]): c for c in cells}
+    res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load)),
+                                                                     floor_s), target, False)
+                     for load, target in (("quiet", 1.2), ("busy", 1.6)) if load in loads]
+
+    # ---- PART 2: speculative decoding ----------------------------------------------------
+    # Part 2 (client/bench_speculation.py, written separately) goes here: it runs with the
+    # same header and floor, puts its results under res["part2"] and its table after part 1's.
+    # Nothing of it is implemented in this file.
+    res["part2"] = None
+    # ---------------------------------------------------------------------------------------
+
+    text = report(res)
+    res["report"] = text
+    out = args.out or bu.default_out("decode")
+    res["config"]["out"] = str(out)
+    path = bu.write_json(out, res)
+    print(text)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2], sys.argv[3]))
+    sys.exit("run it as: python -m client bench decode [options]")
