@@ -138,10 +138,13 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
                    help="the CPU the busy loop is pinned to (default: the last); -1: not pinned")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed requests per cell (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed requests per process (default 3)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh processes per mode and load, interleaved (default 2)")
     p.add_argument("--give-up-ms", type=float, default=1000.0,
                    help="a mode whose probe is slower than this per token is not run further")
-    p.add_argument("--cell-timeout", type=float, default=900.0, help="seconds per cell")
+    p.add_argument("--cell-timeout", type=float, default=900.0, help="seconds per process")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/decode-<ts>.json)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.set_defaults(runner="client.bench_decode")

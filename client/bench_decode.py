@@ -3,10 +3,14 @@
 Part 1: the time per output token (TPOT) of one sequence (default 1024 in / 64 out) for each
 way the C++ kernels can run their parallel loops: the project's worker team (csrc/thread_team.h;
 default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, ACTIVE, unset,
-GOMP_SPINCOUNT=10000). Each mode runs in a fresh process (libgomp reads its environment once,
+GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
 last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight read once per token,
 at the read bandwidth measured in this same run, before and after the modes: the best of both).
+A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
+KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
+per mode and load, in interleaved rounds: this VM's speed differs between processes by up to
+~15% (memory placement, neighbours), more than the smaller differences between modes.
 
 Part 2 (speculative decoding) is added from client/bench_speculation.py: see PART 2 in main().
 
@@ -75,17 +79,18 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_cell(args, mode: str, load: str) -> dict:
+def run_cell(args, mode: str, load: str, round_: int) -> dict:
     """One mode under one load, in a fresh process; its measurements (or why there are none)."""
     spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
             "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
             "seed": args.seed, "give_up_ms": args.give_up_ms}
     busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
+    cell = {"mode": mode, "load": load, "round": round_, "env": mode_env(mode)}
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
         busy = start_busy(busy_cpu) if load == "busy" else None
-        load0 = os.getloadavg()[0]
+        cell["loadavg_at_start"] = os.getloadavg()[0]
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "client.bench_decode", "--child", str(spec_path),
@@ -97,11 +102,27 @@ def run_cell(args, mode: str, load: str) -> dict:
         finally:
             if busy is not None:
                 stop(busy)
-        cell = {"mode": mode, "load": load, "env": mode_env(mode), "loadavg_at_start": load0,
-                "loadavg_at_end": os.getloadavg()[0]}
+        cell["loadavg_at_end"] = os.getloadavg()[0]
         if rc == 0 and out_path.exists():
             return cell | json.loads(out_path.read_text())
         return cell | {"error": f"exit {rc}: {tail}"}
+
+
+def summarize_cells(cells: list[dict]) -> dict:
+    """A mode under a load over its rounds: TPOT median [min-max] over every timed request,
+    or why there is none (any round that gave up or failed says so)."""
+    out: dict = {"rounds": len(cells)}
+    if errors := [c["error"] for c in cells if "error" in c]:
+        out["error"] = errors[0]
+    if gave_up := [c["probe_tpot_s"] for c in cells if c.get("gave_up")]:
+        out["gave_up"], out["probe_tpot_s"] = True, min(gave_up)
+    runs = [r for c in cells for r in c.get("runs", [])]
+    if runs:
+        out["tpot_s"] = bu.summarize([r["tpot_s"] for r in runs])
+    team = [c["team"] for c in cells if c.get("team")]
+    if team:
+        out["team"] = {k: sum(t[k] for t in team) for k in team[0]}
+    return out
 
 
 def child_main(spec_path: str, out_path: str) -> int:
@@ -118,27 +139,26 @@ def child_main(spec_path: str, out_path: str) -> int:
               kv_cache_memory_gb=0.25, cpu_packed_gemm=False, warmup=False)
     ext = cpu_ext.load()
     vocab = llm.engine.model_config.vocab_size
-    prompts = bu.make_prompts(spec["repeats"] + 1, spec["input_len"], vocab, spec["seed"])
+    # one prompt: its first request (the probe) computes its KV, the timed ones reuse it (prefix
+    # cache), so a cell costs one prefill; the decode steps are the same either way
+    prompt = bu.make_prompts(1, spec["input_len"], vocab, spec["seed"])[0]
     out = {"kernel_isa": cpu_ext.isa_level(),
            "threading": ext.threading_mode() if ext is not None else "none",
            "spin_us": ext.team_spin_us() if ext is not None else None,
-           "torch_threads": torch.get_num_threads()}
+           "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
 
-    def one(prompt: list[int], tokens: int) -> dict:
+    def tpot(tokens: int) -> float:
         sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         m = llm.generate([prompt], sp)[0].metrics
-        return {"ttft_s": m["ttft_s"], "tpot_s": (m["e2e_s"] - m["ttft_s"]) / max(1, tokens - 1)}
+        return (m["e2e_s"] - m["ttft_s"]) / max(1, tokens - 1)
 
-    probe = one(prompts[0], min(PROBE_TOKENS, spec["tokens"]))  # also the warm-up
-    out["probe_tpot_s"] = probe["tpot_s"]
-    if probe["tpot_s"] * 1e3 > spec["give_up_ms"]:
+    out["probe_tpot_s"] = tpot(min(PROBE_TOKENS, spec["tokens"]))  # also the warm-up
+    if out["probe_tpot_s"] * 1e3 > spec["give_up_ms"]:
         out["gave_up"] = True
     else:
         before = ext.team_stats() if ext is not None else {}
-        runs = [one(p, spec["tokens"]) for p in prompts[1:]]
+        out["runs"] = [{"tpot_s": tpot(spec["tokens"])} for _ in range(spec["repeats"])]
         after = ext.team_stats() if ext is not None else {}
-        out |= {k: bu.summarize([r[k] for r in runs]) for k in ("ttft_s", "tpot_s")}
-        out["runs"] = runs
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
     Path(out_path).write_text(json.dumps(out))
     return 0
@@ -147,11 +167,11 @@ def child_main(spec_path: str, out_path: str) -> int:
 def _tpot(cell: dict | None) -> str:
     if cell is None:
         return "-"
-    if "error" in cell:
-        return "failed"
+    if "tpot_s" in cell:
+        return bu.fmt_spread(cell["tpot_s"], 1e3)
     if cell.get("gave_up"):
         return f"> {cell['probe_tpot_s'] * 1e3:.0f} (gave up)"
-    return bu.fmt_spread(cell["tpot_s"], 1e3)
+    return "failed" if "error" in cell else "-"
 
 
 def _ratio(cell: dict | None, floor_s: float) -> float | None:
@@ -167,43 +187,38 @@ def _worker_share(cell: dict | None) -> str:
 
 def report(res: dict) -> str:
     info, floor_s, loads = res["info"], res["floor"]["tpot_s"], res["config"]["loads"]
-    by = {(c["mode"], c["load"]): c for c in res["cells"]}
+    by = {(m["mode"], m["load"]): m for m in res["modes"]}
     headers, rows = ["mode", "environment"], []
     for load in loads:
         headers += [f"{load} TPOT ms", "/floor"]
-    headers += [f"{load} TTFT ms" for load in loads[:1]]
-    headers += [f"team chunks on workers ({'/'.join(loads)})"]
+    headers.append(f"chunks on workers ({'/'.join(loads)})")
     for mode in res["config"]["modes"]:
         row = [mode, _env_label(mode_env(mode)) or "-"]
         for load in loads:
-            c = by.get((mode, load))
-            row += [_tpot(c), bu.fmt_num(_ratio(c, floor_s), 2)]
-        c0 = by.get((mode, loads[0]))
-        row.append(bu.fmt_spread(c0["ttft_s"], 1e3, 0) if c0 and "ttft_s" in c0 else "-")
+            m = by.get((mode, load))
+            row += [_tpot(m), bu.fmt_num(_ratio(m, floor_s), 2)]
         row.append(" / ".join(_worker_share(by.get((mode, load))) for load in loads))
         rows.append(row)
-    busy = res["config"]["busy"]
-    loadavg = ", ".join(f"{c['mode']}/{c['load']} {c['loadavg_at_start']:.2f}"
-                        for c in res["cells"])
-    errors = [f"  {c['mode']}/{c['load']}: {c['error'][-300:]}" for c in res["cells"]
-              if "error" in c]
+    loadavg = bu.summarize([c["loadavg_at_start"] for c in res["cells"]])
+    errors = [f"  {c['mode']}/{c['load']} round {c['round']}: {c['error'][-300:]}"
+              for c in res["cells"] if "error" in c]
     rates = res["floor"]["bandwidth_gbs"]
+    cfg = res["config"]
     text = [
         bu.header_line(info),
         f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights per token at "
         f"{max(rates):.1f} GB/s read bandwidth (best of {', '.join(f'{r:.1f}' for r in rates)}) "
         f"= {floor_s * 1e3:.1f} ms per token",
-        f"busy: {busy}",
+        f"busy: {cfg['busy']}",
+        f"1-minute load average at the start of a cell: median {loadavg['median']:.2f} "
+        f"[{loadavg['min']:.2f}-{loadavg['max']:.2f}] (this run's own processes included)",
         "",
-        bu.table(f"Part 1: batch-1 decode, {res['config']['input_len']} in / "
-                 f"{res['config']['tokens']} out, {res['config']['repeats']} repeats per cell "
-                 "(median [min-max]), each mode in a fresh process",
-                 headers, rows),
-        "",
-        f"1-minute load average at the start of each cell: {loadavg}",
+        bu.table(f"Part 1: batch-1 decode, {cfg['input_len']} in / {cfg['tokens']} out; per "
+                 f"mode and load {cfg['rounds']} fresh processes (interleaved rounds) x "
+                 f"{cfg['repeats']} requests: median [min-max]", headers, rows),
     ]
     if errors:
-        text += ["failed cells:", *errors]
+        text += ["", "failed cells:", *errors]
     text += ["", "targets (mode team):", bu.ratio_lines(res["ratios"])]
     return "\n".join(text)
 
@@ -229,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_dir(model_dir)
     cost = floors.ModelCost.from_config(cfg, getattr(torch, args.dtype))
     info = bu.run_info(args.threads, args.dtype, model_dir)
-    info["omp_wait_policy"] = "per mode"
+    info["omp_wait_policy"] = info["threading"] = "per mode"
     busy = ("none" if "busy" not in loads else
             "one busy-loop process (python `while True: pass`) "
             + (f"pinned to cpu {args.busy_cpu}" if args.busy_cpu >= 0 else "not pinned")
@@ -238,20 +253,26 @@ def main(args: argparse.Namespace) -> int:
     config.pop("runner", None)
     res: dict = {"config": config, "info": info}
 
+    # Read bandwidth before and after the modes (each best of 5), the best kept: the machine is
+    # shared, and a floor is what it can do at best. Round r runs the modes from the r-th on:
+    # this VM's speed drifts over minutes and differs between processes.
     bandwidth = [floors.read_bandwidth_gbs()]
     cells = []
-    for mode in modes:
-        for load in loads:
-            cells.append(run_cell(args, mode, load))
-            c = cells[-1]
-            print(f"{mode:>14} {load:>5}: {_tpot(c)} ms/token "
-                  f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
+    for r in range(args.rounds):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            for load in loads:
+                cells.append(c := run_cell(args, mode, load, r))
+                print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
+                      f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
     bandwidth.append(floors.read_bandwidth_gbs())
     floor_s = cost.weight_bytes / (max(bandwidth) * 1e9)
     res["cells"] = cells
+    res["modes"] = [{"mode": m, "load": load, "env": mode_env(m),
+                     **summarize_cells([c for c in cells if (c["mode"], c["load"]) == (m, load)])}
+                    for m in modes for load in loads]
     res["floor"] = {"bandwidth_gbs": bandwidth, "weight_bytes": cost.weight_bytes,
                     "tpot_s": floor_s, "cost": floors.cost_dict(cost)}
-    by = {(c["mode"], c["load"]): c for c in cells}
+    by = {(m["mode"], m["load"]): m for m in res["modes"]}
     res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load)),
                                                                      floor_s), target, False)
                      for load, target in (("quiet", 1.2), ("busy", 1.6)) if load in loads]
