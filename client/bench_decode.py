@@ -145,7 +145,8 @@ def child_main(spec_path: str, out_path: str) -> int:
     out = {"kernel_isa": cpu_ext.isa_level(),
            "threading": ext.threading_mode() if ext is not None else "none",
            "spin_us": ext.team_spin_us() if ext is not None else None,
-           "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
+           "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
+           "environment": {k: os.environ[k] for k in _THREADING_VARS if k in os.environ}}
 
     def tpot(tokens: int) -> float:
         sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
