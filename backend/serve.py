@@ -105,7 +105,11 @@ def server_env(dist: Path | None) -> dict[str, str]:
     env.setdefault("LC_ALL", "C.UTF-8")
     env.setdefault("LANG", "C.UTF-8")
     env.setdefault("PYTHONUTF8", "1")
-    # Spinning OpenMP threads starve the response thread (and other replicas) on shared cores.
+    # The C++ kernels' parallel loops (all of a decode step's) run on their own worker team
+    # (kernels/csrc/thread_team.h): bounded spinning, and no loop waits for a worker that has
+    # not started. OpenMP is left to torch's own ops (the prefill GEMMs), where spinning threads
+    # would starve the response thread (and other replicas) on shared cores: PASSIVE.
+    env.setdefault("TPLLM_THREADING", "team")
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
@@ -199,8 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     cmd = build_command(args, server, backend_dir)
     print("serve: " + " ".join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
-        for k in ("LD_LIBRARY_PATH", "PATH", "TPLLM_PYTHON", "LC_ALL", "OMP_WAIT_POLICY"):
-            print(f"  {k}={env[k]}", file=sys.stderr)
+        for k in ("LD_LIBRARY_PATH", "PATH", "TPLLM_PYTHON", "LC_ALL", "TPLLM_THREADING",
+                  "TPLLM_SPIN_US", "OMP_WAIT_POLICY"):
+            if k in env:
+                print(f"  {k}={env[k]}", file=sys.stderr)
         return
     sys.exit(run_server(cmd, env))
 

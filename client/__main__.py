@@ -121,15 +121,17 @@ def _cmd_bench_structured(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_structured")
 
 
-def speculation_args(p: argparse.ArgumentParser) -> None:
-    """The options of speculative decoding's workloads (bench speculation, bench decode)."""
-    p.add_argument("--k", type=int, default=4, help="speculative_ngram: drafts per step (default 4)")
-    p.add_argument("--match", type=int, default=3, help="speculative_ngram_match (default 3)")
-    p.add_argument("--prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
-    p.add_argument("--max-tokens", type=int, default=192, help="output tokens at most (default 192)")
-    p.add_argument("--concurrency", type=int, default=64, help="requests of (c) (default 64)")
-    p.add_argument("--server", action="store_true", help="through tritonserver (gRPC streaming)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+def speculation_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The options of speculative decoding's workloads: bench speculation, and bench decode's
+    part 2 (there prefixed `--spec-`, stored without the prefix's dashes: spec_k, ...)."""
+    a = lambda name, **kw: p.add_argument(f"--{prefix}{name}", **kw)  # noqa: E731
+    a("k", type=int, default=4, help="speculative_ngram: drafts per step (default 4)")
+    a("match", type=int, default=3, help="speculative_ngram_match (default 3)")
+    a("prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
+    a("max-tokens", type=int, default=192, help="output tokens at most (default 192)")
+    a("concurrency", type=int, default=64, help="requests of (c) (default 64)")
+    a("server", action="store_true", help="through tritonserver (gRPC streaming)")
+    a("seed", type=int, default=0, help="seed of the generated prompts")
 
 
 def _cmd_bench_speculation(bench: argparse._SubParsersAction) -> None:
@@ -140,16 +142,50 @@ def _cmd_bench_speculation(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_speculation")
 
 
+def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("decode", help="batch-1 decode latency by threading mode (worker team "
+                                        "vs OpenMP wait policies), quiet and with a core busy")
+    # not _runtime_args: each mode sets its own wait policy, in its own process
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    from client.bench_decode import DEFAULT_MODES
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help="comma list: team, team-spin<us>, omp-passive, omp-active, omp-unset, "
+                        f"omp-spin<count>[k] (default {DEFAULT_MODES})")
+    p.add_argument("--loads", default="quiet,busy",
+                   help="quiet, busy (another process spinning on a core), or both (default)")
+    p.add_argument("--busy-cpu", type=int, default=(os.cpu_count() or 1) - 1,
+                   help="the CPU the busy loop is pinned to (default: the last); -1: not pinned")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed requests per process (default 3)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh processes per mode and load, interleaved (default 2)")
+    p.add_argument("--give-up-ms", type=float, default=1000.0,
+                   help="a mode whose probe is slower than this per token is not run further")
+    p.add_argument("--cell-timeout", type=float, default=900.0, help="seconds per process")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/decode-<ts>.json)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--parts", default="1,2",
+                   help="1: threading modes; 2: speculative decoding on vs off (default 1,2)")
+    speculation_args(p, prefix="spec-")
+    p.set_defaults(runner="client.bench_decode")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
-                             metavar="{offline,tp,coldstart,clients,prefix,structured,speculation}")
+                             metavar="{offline,tp,coldstart,clients,prefix,structured,decode,"
+                                     "speculation}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
     _cmd_bench_clients(bench)
     _cmd_bench_prefix(bench)
     _cmd_bench_structured(bench)
+    _cmd_bench_decode(bench)
     _cmd_bench_speculation(bench)
 
 

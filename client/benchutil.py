@@ -104,10 +104,22 @@ def kernel_isa() -> str:
         return f"refused ({e})"
 
 
+def threading_info() -> str:
+    """How the C++ kernels run their parallel loops in this process: on their worker team (and
+    its spin) or on torch's OpenMP (TPLLM_THREADING; a server started with the same environment
+    does the same)."""
+    from kernels import cpu_ops
+    if not cpu_ops.AVAILABLE:
+        return "omp (no C++ kernels)"
+    mode = cpu_ops.threading_mode()
+    return f"team (spin {cpu_ops.team_spin_us()} us)" if mode == "team" else mode
+
+
 def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "dtype": dtype,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "threading": threading_info(), "dtype": dtype,
             "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
             "kernel_isa": kernel_isa(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -116,7 +128,8 @@ def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
 
 def header_line(info: dict[str, Any]) -> str:
     return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
-            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')} | {info['dtype']} | "
+            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')}, threading "
+            f"{info.get('threading', '?')} | {info['dtype']} | "
             f"{info['model_dir']} | {info['cpu']} ({info['cpu_count']} cpus; "
             f"{' '.join(info.get('cpu_isa_flags', [])) or 'no AVX2'}) | {info['date']} | "
             f"load {info['loadavg_at_start']:.2f}")

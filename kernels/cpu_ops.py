@@ -233,3 +233,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 AVAILABLE = _ext is not None
 _BF16_GEMV = AVAILABLE and _ext.bf16_gemv_supported()
+
+
+# The kernels' parallel loops run on the module's own worker team (csrc/thread_team.h: workers
+# spin a bounded time between loops, then sleep; the caller never waits for a worker that has
+# not started) or, in "omp" mode, on torch's OpenMP (at::parallel_for) as before. The mode and
+# the spin come from TPLLM_THREADING (team | omp) and TPLLM_SPIN_US when the module loads; these
+# change them at run time, for the whole process. Results are the same bits either way.
+def threading_mode() -> str:
+    """'team' or 'omp' ('omp' also when the C++ kernels are off: torch's own ops are OpenMP)."""
+    return _ext.threading_mode() if AVAILABLE else "omp"
+
+
+def set_threading_mode(mode: str) -> None:
+    if AVAILABLE:
+        _ext.set_threading_mode(mode)
+
+
+def team_spin_us() -> int:
+    """How long an idle worker spins for the next loop before it sleeps (microseconds)."""
+    return _ext.team_spin_us() if AVAILABLE else 0
+
+
+def set_team_spin_us(us: int) -> None:
+    if AVAILABLE:
+        _ext.set_team_spin_us(int(us))
+
+
+def team_stats() -> dict:
+    """Counters since the module loaded: loops published (jobs), loops run inline, chunks and
+    those the workers ran, futex wakes of sleeping workers, worker parks, caller sleeps."""
+    return dict(_ext.team_stats()) if AVAILABLE else {}

@@ -64,6 +64,36 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
     assert "TP2x1/TP1x1 e2e, per round" in proc.stdout and "(gloo)" in proc.stdout
 
 
+def test_bench_decode_smoke(tmp_path: Path) -> None:
+    """`bench decode` end to end at toy sizes: two modes, quiet and busy, one round each
+    (~35 s on the 2-core development VM)."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "decode", "--modes", "team,omp-passive",
+         "--input-len", "24", "--tokens", "3", "--repeats", "1", "--rounds", "1",
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(m["mode"], m["load"]) for m in data["modes"]] == [
+        ("team", "quiet"), ("team", "busy"), ("omp-passive", "quiet"), ("omp-passive", "busy")]
+    for m in data["modes"]:
+        assert m["rounds"] == 1 and m["tpot_s"]["n"] == 1 and m["tpot_s"]["median"] > 0, m
+    cells = {(c["mode"], c["load"]): c for c in data["cells"]}
+    # each mode ran in its own process, in its own environment
+    assert len({c["pid"] for c in cells.values()}) == 4
+    assert cells["team", "quiet"]["threading"] == "team"
+    assert cells["team", "quiet"]["team"]["jobs"] > 0
+    omp = cells["omp-passive", "busy"]
+    assert omp["threading"] == "omp" and omp["team"]["jobs"] == 0
+    assert omp["environment"] == {"TPLLM_THREADING": "omp", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert data["floor"]["tpot_s"] > 0 and all(b > 0 for b in data["floor"]["bandwidth_gbs"])
+    assert [r["name"] for r in data["ratios"]] == ["quiet TPOT team/floor",
+                                                   "busy TPOT team/floor"]
+    assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
+    assert data["part2"] is None  # the place part 2 (speculative decoding) goes
+    assert "Part 1: batch-1 decode" in proc.stdout and "pinned to cpu" in proc.stdout
+
+
 def test_paired_ratios_pair_each_round() -> None:
     """Ratios are taken round by round (each layout's median over that round's requests), over
     shared-memory layouts only, and only for pairs whose layouts both ran."""

@@ -15,6 +15,7 @@
 #include "cpu_kernels.h"
 #include "vec.h"
 #include "attn_simd.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -294,7 +295,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   // partial states of every (sequence, split): acc [Hq, D], then max [Hq], then den [Hq]
   const int64_t part = Hq * (D + 2);
   std::vector<float> parts(B * S * part);
-  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), sc, kb, vb;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S, L = lp[b];
@@ -308,7 +309,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     }
   });
   // merge the splits of each sequence: rescale every partial to the common max
-  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t h = 0; h < Hq; ++h) {
@@ -339,7 +340,7 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> r(H);
     for (int64_t row = begin; row < end; ++row) {
       T* xr = xp + row * H;
@@ -366,7 +367,7 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   const int64_t N = out.size(0), I = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, N, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = gp + t * 2 * I;
       const T* u = g + I;
@@ -393,7 +394,7 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
   T* vc = v_cache.data_ptr<T>();
   const int64_t* slp = slots.data_ptr<int64_t>();
   const int64_t row = Hkv * D;  // one token's K (or V) in the cache
-  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* x = xp + t * W;
       const T* c = cp + t * D;
@@ -654,6 +655,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear_bf16", &small_m_linear_bf16);
   m.def("bf16_gemv_supported", &bf16_gemv_supported);
   bind_decode_layer(m);
+  bind_thread_team(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("paged_prefill_attention", &paged_prefill_attention);

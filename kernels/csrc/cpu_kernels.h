@@ -56,3 +56,4 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table,
                                       int64_t context_len, double scale, torch::Tensor kv_index);
 void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack
+void bind_thread_team(pybind11::module& m);   // the worker team's switches (thread_team.cpp)

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attn_simd.h"
+#include "thread_team.h"
 
 #if defined(TPLLM_SIMD16)
 namespace {
@@ -102,7 +103,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   static thread_local std::vector<float> kt_buffer;
   kt_buffer.resize(std::max<size_t>(kt_buffer.size(), Hkv * D * ldk));
   float* const kt = kt_buffer.data();
-  at::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
+  team::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t kh = b / nblk, blk = b % nblk;
       const float* src = kp + table[blk] * block_stride + kh * D;
@@ -117,7 +118,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   std::vector<int64_t> heads_by_kv, group_start;
   group_heads_by_kv(kvi, Hq, Hkv, heads_by_kv, group_start);
   const int64_t qblocks = (Tq + kPos - 1) / kPos;
-  at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, Hkv * qblocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sbuf, obuf;
     std::vector<const float*> qrow, vrow(kKeys);
     std::vector<float*> srow, orow;

@@ -4,12 +4,11 @@
 // R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r]; MM is at most
 // Tile::kInputs.
 #pragma once
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "thread_team.h"
 #include "vec.h"
 
 namespace small_m {
@@ -97,7 +96,7 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, 4 * K * static_cast<int64_t>(sizeof(W))));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  team::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * 4;
       if (n + 4 <= N) {

@@ -1,0 +1,319 @@
+"""`python -m client bench decode`: batch-1 decode latency by threading mode (issue 17).
+
+Part 1: the time per output token (TPOT) of one sequence (default 1024 in / 64 out) for each
+way the C++ kernels can run their parallel loops: the project's worker team (csrc/thread_team.h;
+default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, ACTIVE, unset,
+GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
+at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
+last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight read once per token,
+at the read bandwidth measured in this same run, before and after the modes: the best of both).
+A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
+KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
+per mode and load, in interleaved rounds: this VM's speed differs between processes by up to
+~15% (memory placement, neighbours), more than the smaller differences between modes.
+
+Part 2 (--parts 2, with the --spec-* options): speculative decoding on vs off, batch 1 on
+input-grounded and chat prompts and --spec-concurrency requests at once (client/bench_speculation.py;
+also `python -m client bench speculation`).
+
+A mode whose short probe (a few tokens) is slower than --give-up-ms per token is not run
+further (unbounded OpenMP spinning with the other core busy took > 2 s per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from client import bench_speculation, benchutil as bu
+
+DEFAULT_MODES = "team,team-spin0,omp-passive,omp-active,omp-unset,omp-spin10k"
+# the variables a mode sets; every other one is removed from the child's environment
+_THREADING_VARS = ("TPLLM_THREADING", "TPLLM_SPIN_US", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+PROBE_TOKENS = 8
+
+
+def mode_env(name: str) -> dict[str, str]:
+    """The threading variables of mode `name`:
+      team            the worker team, its default spin (prefill GEMMs: OpenMP, PASSIVE)
+      team-spin<N>    the team, workers spin N us before sleeping
+      omp-passive | omp-active | omp-unset   at::parallel_for under that OMP_WAIT_POLICY
+      omp-spin<N>[k]  at::parallel_for, GOMP_SPINCOUNT=N (x1000 with k), policy unset"""
+    if name == "team":
+        return {"TPLLM_THREADING": "team", "OMP_WAIT_POLICY": "PASSIVE"}
+    if m := re.fullmatch(r"team-spin(\d+)", name):
+        return {"TPLLM_THREADING": "team", "TPLLM_SPIN_US": m.group(1),
+                "OMP_WAIT_POLICY": "PASSIVE"}
+    if m := re.fullmatch(r"omp-(passive|active)", name):
+        return {"TPLLM_THREADING": "omp", "OMP_WAIT_POLICY": m.group(1).upper()}
+    if name == "omp-unset":
+        return {"TPLLM_THREADING": "omp"}
+    if m := re.fullmatch(r"omp-spin(\d+)(k?)", name):
+        count = int(m.group(1)) * (1000 if m.group(2) else 1)
+        return {"TPLLM_THREADING": "omp", "GOMP_SPINCOUNT": str(count)}
+    raise ValueError(f"unknown mode {name!r} (team, team-spin<us>, omp-passive, omp-active, "
+                     "omp-unset, omp-spin<count>[k])")
+
+
+def _env_label(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items() if k != "TPLLM_THREADING")
+
+
+def child_env(mode: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _THREADING_VARS}
+    return env | mode_env(mode)
+
+
+def start_busy(cpu: int | None) -> subprocess.Popen:
+    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None)."""
+    pin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
+    return subprocess.Popen([sys.executable, "-c", pin + "while True:\n    pass\n"])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def run_cell(args, mode: str, load: str, round_: int) -> dict:
+    """One mode under one load, in a fresh process; its measurements (or why there are none)."""
+    spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
+            "seed": args.seed, "give_up_ms": args.give_up_ms}
+    busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
+    cell = {"mode": mode, "load": load, "round": round_, "env": mode_env(mode)}
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        busy = start_busy(busy_cpu) if load == "busy" else None
+        cell["loadavg_at_start"] = os.getloadavg()[0]
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "client.bench_decode", "--child", str(spec_path),
+                 str(out_path)], env=child_env(mode), capture_output=True, text=True,
+                timeout=args.cell_timeout)
+            rc, tail = proc.returncode, proc.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            rc, tail = None, f"timed out after {args.cell_timeout} s"
+        finally:
+            if busy is not None:
+                stop(busy)
+        cell["loadavg_at_end"] = os.getloadavg()[0]
+        if rc == 0 and out_path.exists():
+            return cell | json.loads(out_path.read_text())
+        return cell | {"error": f"exit {rc}: {tail}"}
+
+
+def summarize_cells(cells: list[dict]) -> dict:
+    """A mode under a load over its rounds: TPOT median [min-max] over every timed request,
+    or why there is none (any round that gave up or failed says so)."""
+    out: dict = {"rounds": len(cells)}
+    if errors := [c["error"] for c in cells if "error" in c]:
+        out["error"] = errors[0]
+    if gave_up := [c["probe_tpot_s"] for c in cells if c.get("gave_up")]:
+        out["gave_up"], out["probe_tpot_s"] = True, min(gave_up)
+    runs = [r for c in cells for r in c.get("runs", [])]
+    if runs:
+        out["tpot_s"] = bu.summarize([r["tpot_s"] for r in runs])
+    team = [c["team"] for c in cells if c.get("team")]
+    if team:
+        out["team"] = {k: sum(t[k] for t in team) for k in team[0]}
+    return out
+
+
+def child_main(spec_path: str, out_path: str) -> int:
+    """Runs in the mode's environment: loads the engine, probes, then times `repeats` requests."""
+    import torch
+    from backend import LLM, SamplingParams
+    from backend.engine.model_files import resolve_model_dir
+    from kernels import cpu_ext
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    model_dir = str(resolve_model_dir(spec["model"]))
+    llm = LLM(model=model_dir, dtype=spec["dtype"], num_threads=spec["threads"], max_num_seqs=4,
+              kv_cache_memory_gb=0.25, cpu_packed_gemm=False, warmup=False)
+    ext = cpu_ext.load()
+    vocab = llm.engine.model_config.vocab_size
+    # one prompt: its first request (the probe) computes its KV, the timed ones reuse it (prefix
+    # cache), so a cell costs one prefill; the decode steps are the same either way
+    prompt = bu.make_prompts(1, spec["input_len"], vocab, spec["seed"])[0]
+    out = {"kernel_isa": cpu_ext.isa_level(),
+           "threading": ext.threading_mode() if ext is not None else "none",
+           "spin_us": ext.team_spin_us() if ext is not None else None,
+           "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
+           "environment": {k: os.environ[k] for k in _THREADING_VARS if k in os.environ}}
+
+    def tpot(tokens: int) -> float:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        m = llm.generate([prompt], sp)[0].metrics
+        return (m["e2e_s"] - m["ttft_s"]) / max(1, tokens - 1)
+
+    out["probe_tpot_s"] = tpot(min(PROBE_TOKENS, spec["tokens"]))  # also the warm-up
+    if out["probe_tpot_s"] * 1e3 > spec["give_up_ms"]:
+        out["gave_up"] = True
+    else:
+        before = ext.team_stats() if ext is not None else {}
+        out["runs"] = [{"tpot_s": tpot(spec["tokens"])} for _ in range(spec["repeats"])]
+        after = ext.team_stats() if ext is not None else {}
+        out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def _tpot(cell: dict | None) -> str:
+    if cell is None:
+        return "-"
+    if "tpot_s" in cell:
+        return bu.fmt_spread(cell["tpot_s"], 1e3)
+    if cell.get("gave_up"):
+        return f"> {cell['probe_tpot_s'] * 1e3:.0f} (gave up)"
+    return "failed" if "error" in cell else "-"
+
+
+def _ratio(cell: dict | None, floor_s: float) -> float | None:
+    if cell is None or "tpot_s" not in cell:
+        return None
+    return cell["tpot_s"]["median"] / floor_s
+
+
+def _worker_share(cell: dict | None) -> str:
+    team = (cell or {}).get("team") or {}
+    return f"{100 * team['worker_chunks'] / team['chunks']:.0f}%" if team.get("chunks") else "-"
+
+
+def report(res: dict) -> str:
+    info, floor_s, loads = res["info"], res["floor"]["tpot_s"], res["config"]["loads"]
+    by = {(m["mode"], m["load"]): m for m in res["modes"]}
+    headers, rows = ["mode", "environment"], []
+    for load in loads:
+        headers += [f"{load} TPOT ms", "/floor"]
+    headers.append(f"chunks on workers ({'/'.join(loads)})")
+    for mode in res["config"]["modes"]:
+        row = [mode, _env_label(mode_env(mode)) or "-"]
+        for load in loads:
+            m = by.get((mode, load))
+            row += [_tpot(m), bu.fmt_num(_ratio(m, floor_s), 2)]
+        row.append(" / ".join(_worker_share(by.get((mode, load))) for load in loads))
+        rows.append(row)
+    loadavg = bu.summarize([c["loadavg_at_start"] for c in res["cells"]])
+    errors = [f"  {c['mode']}/{c['load']} round {c['round']}: {c['error'][-300:]}"
+              for c in res["cells"] if "error" in c]
+    rates = res["floor"]["bandwidth_gbs"]
+    cfg = res["config"]
+    text = [
+        bu.header_line(info),
+        f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights per token at "
+        f"{max(rates):.1f} GB/s read bandwidth (best of {', '.join(f'{r:.1f}' for r in rates)}) "
+        f"= {floor_s * 1e3:.1f} ms per token",
+        f"busy: {cfg['busy']}",
+        f"1-minute load average at the start of a cell: median {loadavg['median']:.2f} "
+        f"[{loadavg['min']:.2f}-{loadavg['max']:.2f}] (this run's own processes included)",
+        "",
+        bu.table(f"Part 1: batch-1 decode, {cfg['input_len']} in / {cfg['tokens']} out; per "
+                 f"mode and load {cfg['rounds']} fresh processes (interleaved rounds) x "
+                 f"{cfg['repeats']} requests: median [min-max]", headers, rows),
+    ]
+    if errors:
+        text += ["", "failed cells:", *errors]
+    text += ["", "targets (mode team):", bu.ratio_lines(res["ratios"])]
+    return "\n".join(text)
+
+
+def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None:
+    """The threading modes (fresh processes each) beside the bandwidth floor, into res."""
+    from client import floors
+    # Read bandwidth before and after the modes (each best of 5), the best kept: the machine is
+    # shared, and a floor is what it can do at best. Round r runs the modes from the r-th on:
+    # this VM's speed drifts over minutes and differs between processes.
+    bandwidth = [floors.read_bandwidth_gbs()]
+    cells = []
+    for r in range(args.rounds):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            for load in loads:
+                cells.append(c := run_cell(args, mode, load, r))
+                print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
+                      f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
+    bandwidth.append(floors.read_bandwidth_gbs())
+    floor_s = cost.weight_bytes / (max(bandwidth) * 1e9)
+    res["cells"] = cells
+    res["modes"] = [{"mode": m, "load": load, "env": mode_env(m),
+                     **summarize_cells([c for c in cells if (c["mode"], c["load"]) == (m, load)])}
+                    for m in modes for load in loads]
+    res["floor"] = {"bandwidth_gbs": bandwidth, "weight_bytes": cost.weight_bytes,
+                    "tpot_s": floor_s, "cost": floors.cost_dict(cost)}
+    by = {(m["mode"], m["load"]): m for m in res["modes"]}
+    res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load)),
+                                                                     floor_s), target, False)
+                     for load, target in (("quiet", 1.2), ("busy", 1.6)) if load in loads]
+
+
+def run_part2(args) -> dict:
+    """Speculative decoding on vs off (client/bench_speculation.py) with the --spec-* options,
+    in this process (two engines, the kernels' default threading: the worker team)."""
+    spec = argparse.Namespace(**{k.removeprefix("spec_"): v for k, v in vars(args).items()
+                                 if k.startswith("spec_")},
+                              model=args.model, dtype=args.dtype, threads=args.threads)
+    print("part 2: speculative decoding on vs off ...", file=sys.stderr, flush=True)
+    return bench_speculation.run(spec)
+
+
+def main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        mode_env(m)  # unknown names fail before anything runs
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads or set(loads) - {"quiet", "busy"}:
+        raise SystemExit(f"--loads: quiet and/or busy, not {args.loads!r}")
+    # this process only measures the floor: its OpenMP threads must not spin into a mode's run
+    if "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    import torch
+
+    from backend.engine.model_files import resolve_model_dir
+    from backend.model.config import ModelConfig
+    from client import floors
+
+    torch.set_num_threads(args.threads)
+    model_dir = str(resolve_model_dir(args.model))
+    cfg = ModelConfig.from_dir(model_dir)
+    cost = floors.ModelCost.from_config(cfg, getattr(torch, args.dtype))
+    info = bu.run_info(args.threads, args.dtype, model_dir)
+    info["omp_wait_policy"] = info["threading"] = "per mode"
+    busy = ("none" if "busy" not in loads else
+            "one busy-loop process (python `while True: pass`) "
+            + (f"pinned to cpu {args.busy_cpu}" if args.busy_cpu >= 0 else "not pinned")
+            + "; the benchmark's own threads are not pinned")
+    config = dict(vars(args)) | {"modes": modes, "loads": loads, "busy": busy}
+    config.pop("runner", None)
+    res: dict = {"config": config, "info": info}
+
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    if not parts or parts - {"1", "2"}:
+        raise SystemExit(f"--parts: 1 and/or 2, not {args.parts!r}")
+    if "1" in parts:
+        run_part1(args, modes, loads, cost, res)
+    res["part2"] = run_part2(args) if "2" in parts else None
+
+    text = "\n\n".join(
+        ([report(res)] if "1" in parts else [bu.header_line(info)])
+        + ([bench_speculation.report(res["part2"])] if res["part2"] else []))
+    res["report"] = text
+    out = args.out or bu.default_out("decode")
+    res["config"]["out"] = str(out)
+    path = bu.write_json(out, res)
+    print(text)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2], sys.argv[3]))
+    sys.exit("run it as: python -m client bench decode [options]")

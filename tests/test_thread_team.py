@@ -1,0 +1,186 @@
+"""The C++ kernels' worker team (kernels/csrc/thread_team.h): every index of a loop runs exactly
+once whoever runs it, nested and empty loops, exceptions, one thread, concurrent callers, fork;
+the mode and spin switches; and the kernels and a decode compute the same bits on the team as on
+OpenMP (at::parallel_for). No timing is asserted: who runs which chunk depends on the machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from tests.required import no_cpu_kernels
+
+if not cpu_ops.AVAILABLE:
+    no_cpu_kernels(allow_module_level=True)
+ext = cpu_ops._ext
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def team_mode_two_threads():
+    """Each test starts in team mode with 2 threads and the default spin, and leaves them so."""
+    threads, mode, spin = torch.get_num_threads(), cpu_ops.threading_mode(), cpu_ops.team_spin_us()
+    torch.set_num_threads(2)
+    cpu_ops.set_threading_mode("team")
+    yield
+    torch.set_num_threads(threads)
+    cpu_ops.set_threading_mode(mode)
+    cpu_ops.set_team_spin_us(spin)
+
+
+def _cover(n: int, grain: int, nested: bool = False) -> tuple[torch.Tensor, set[int]]:
+    counts, who = ext._parallel_cover(n, grain, nested)
+    return counts, set(who.tolist())
+
+
+@pytest.mark.parametrize("n, grain", [(1, 1), (2, 1), (17, 1), (1000, 1), (1000, 7), (1000, 999),
+                                      (1000, 1000), (70000, 1), (123457, 64)])
+def test_every_index_runs_exactly_once(n, grain):
+    jobs = cpu_ops.team_stats()["jobs"]
+    counts, _ = _cover(n, grain)
+    assert counts.shape == (n,) and torch.equal(counts, torch.ones(n, dtype=torch.int32))
+    # a loop over more than its grain is published to the team (else it runs inline)
+    assert cpu_ops.team_stats()["jobs"] - jobs == (1 if n > grain else 0)
+
+
+def test_many_loops_in_a_row():
+    """Back-to-back loops (the decode step's pattern): workers join late, spin or sleep between."""
+    for spin in (0, 5, 200):
+        cpu_ops.set_team_spin_us(spin)
+        for i in range(300):
+            n = 1 + (i * 37) % 500
+            counts, _ = _cover(n, 1 + i % 3)
+            assert torch.equal(counts, torch.ones(n, dtype=torch.int32)), (spin, i)
+
+
+def test_empty_range_runs_nothing():
+    counts, who = _cover(0, 1)
+    assert counts.numel() == 0 and who == set()
+
+
+def test_nested_loops_run_inline():
+    """A loop inside a chunk runs on that chunk's thread, whole (the inner check is in C++)."""
+    counts, _ = _cover(500, 1, nested=True)
+    assert torch.equal(counts, torch.ones(500, dtype=torch.int32))
+
+
+def test_an_exception_in_a_task_reaches_the_caller():
+    with pytest.raises(RuntimeError, match="task 517 failed"):
+        ext._parallel_throw(1000, 1, 517)
+    with pytest.raises(RuntimeError, match="task 0 failed"):  # in the caller's own first chunk
+        ext._parallel_throw(1000, 1, 0)
+    with pytest.raises(RuntimeError, match="task 3 failed"):  # a loop run inline
+        ext._parallel_throw(10, 100, 3)
+    assert ext._parallel_throw(1000, 1, -1) == 1000  # and the team still works
+    counts, _ = _cover(1000, 1)
+    assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
+
+
+def test_one_thread_runs_everything_on_the_caller():
+    torch.set_num_threads(1)
+    jobs = cpu_ops.team_stats()["jobs"]
+    counts, who = _cover(5000, 1)
+    assert torch.equal(counts, torch.ones(5000, dtype=torch.int32))
+    assert len(who) == 1 and cpu_ops.team_stats()["jobs"] == jobs  # inline: no job published
+
+
+def test_concurrent_callers():
+    """Two Python threads looping at once: one holds the team, the other runs inline."""
+    errors: list[str] = []
+
+    def loop(seed: int) -> None:
+        for i in range(200):
+            n = 1 + (seed * 101 + i * 13) % 700
+            counts, _ = _cover(n, 1)
+            if not torch.equal(counts, torch.ones(n, dtype=torch.int32)):
+                errors.append(f"thread {seed}, loop {i}")
+
+    threads = [threading.Thread(target=loop, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_omp_mode_and_switches():
+    cpu_ops.set_threading_mode("omp")
+    assert cpu_ops.threading_mode() == "omp"
+    jobs = cpu_ops.team_stats()["jobs"]
+    counts, _ = _cover(1000, 1)
+    assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
+    assert cpu_ops.team_stats()["jobs"] == jobs  # at::parallel_for, not the team
+    with pytest.raises(RuntimeError, match="task 5 failed"):
+        ext._parallel_throw(1000, 1, 5)
+    with pytest.raises(RuntimeError, match="team or omp"):
+        cpu_ops.set_threading_mode("tbb")
+    cpu_ops.set_team_spin_us(123)
+    assert cpu_ops.team_spin_us() == 123
+    with pytest.raises(RuntimeError, match=">= 0"):
+        cpu_ops.set_team_spin_us(-1)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter, the team's variables only as given."""
+    base = {k: v for k, v in os.environ.items() if k not in ("TPLLM_THREADING", "TPLLM_SPIN_US")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**base, **env}, timeout=300)
+
+
+def test_environment_sets_mode_and_spin():
+    code = "from kernels import cpu_ops; print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())"
+    assert _python(code).stdout.split() == ["team", "50"]  # the defaults
+    proc = _python(code, TPLLM_THREADING="omp", TPLLM_SPIN_US="7")
+    assert proc.stdout.split() == ["omp", "7"], proc.stderr[-2000:]
+    proc = _python(code, TPLLM_THREADING="bogus", TPLLM_SPIN_US="x")
+    assert proc.stdout.split() == ["team", "50"], proc.stderr[-2000:]
+    assert "TPLLM_THREADING=bogus" in proc.stderr and "TPLLM_SPIN_US=x" in proc.stderr
+
+
+def test_a_forked_child_gets_its_own_team():
+    """Threads do not survive fork: the child starts a team of its own (no hang, all indices)."""
+    code = """
+import os, torch
+from kernels import cpu_ops
+torch.set_num_threads(2)
+ok = lambda: bool((cpu_ops._ext._parallel_cover(5000, 1, False)[0] == 1).all())
+assert ok()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if ok() and ok() else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert ok()
+print("ok")
+"""
+    proc = _python(code)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def _decode_logits(model_dir: Path, dtype: torch.dtype) -> torch.Tensor:
+    from tests.test_model_fidelity import _our_logits
+    ids = torch.randint(3, 20000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    return _our_logits(model_dir, ids, [7, 20, 5] + [1] * 8, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_team_and_omp_compute_the_same_bits(dtype, default_model_dir):
+    """SmolLM2 (its layers are big enough to split) through prefill chunks and 8 decode steps
+    (float32: the fused decode stack; bf16: the per-op kernels), and every kernel of the ISA
+    test on fixed inputs: identical on the team and on OpenMP."""
+    from tests.test_cpu_isa import _kernel_outputs
+    results = {}
+    for mode in ("omp", "team"):
+        cpu_ops.set_threading_mode(mode)
+        jobs = cpu_ops.team_stats()["jobs"]
+        results[mode] = {"logits": _decode_logits(default_model_dir, dtype), **_kernel_outputs()}
+        ran_on_team = cpu_ops.team_stats()["jobs"] - jobs
+        assert (ran_on_team > 0) == (mode == "team"), (mode, ran_on_team)
+    for key, want in results["omp"].items():
+        assert torch.equal(results["team"][key], want), key
