@@ -71,7 +71,7 @@ def test_bench_decode_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "client", "bench", "decode", "--modes", "team,omp-passive",
          "--input-len", "24", "--tokens", "3", "--repeats", "1", "--rounds", "1",
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--parts", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [(m["mode"], m["load"]) for m in data["modes"]] == [
@@ -90,7 +90,7 @@ def test_bench_decode_smoke(tmp_path: Path) -> None:
     assert [r["name"] for r in data["ratios"]] == ["quiet TPOT team/floor",
                                                    "busy TPOT team/floor"]
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
-    assert data["part2"] is None  # the place part 2 (speculative decoding) goes
+    assert data["part2"] is None  # --parts 1 (part 2: tests/test_speculation.py)
     assert "Part 1: batch-1 decode" in proc.stdout and "pinned to cpu" in proc.stdout
 
 

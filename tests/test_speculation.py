@@ -226,20 +226,28 @@ def test_tensor_parallel_with_speculation(tiny_text_model, oracle):
         assert on.stats["spec_accepted_tokens"] > 0 and on.stats["cold_path"] == {}
 
 
-def test_bench_speculation_smoke(tiny_text_model, tmp_path):
-    """`bench speculation` end to end at toy sizes (a tiny random model: ratios meaningless)."""
+@pytest.mark.parametrize("command", ["speculation", "decode"])
+def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
+    """`bench speculation` (and `bench decode --parts 2`, the same workloads) end to end at toy
+    sizes (a tiny random model: the ratios mean nothing)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     out = tmp_path / "spec.json"
+    opts = ["prompts", "3", "max-tokens", "12", "concurrency", "3"]
+    prefix = "--" if command == "speculation" else "--spec-"
+    args = [prefix + x if i % 2 == 0 else x for i, x in enumerate(opts)]
+    args += ["--wait-policy", "passive"] if command == "speculation" else ["--parts", "2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "client", "bench", "speculation", "--model", str(tiny_text_model),
-         "--prompts", "3", "--max-tokens", "12", "--concurrency", "3", "--wait-policy", "passive",
-         "--out", str(out)],
+        [sys.executable, "-m", "client", "bench", command, "--model", str(tiny_text_model),
+         *args, "--out", str(out)],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    data = data["part2"] if command == "decode" else data
+    if command == "decode":
+        data["info"] = json.loads(out.read_text())["info"]
     for key in ("grounded_batch1", "chat_batch1", "grounded_concurrent"):
         assert data[key]["off"]["output_tokens"] == data[key]["on"]["output_tokens"] > 0
         assert data[key]["ratio"] > 0
