@@ -23,8 +23,8 @@ accepted count otherwise; after consecutive drafts with nothing accepted it stop
 a doubling number of steps (a no-overlap workload then runs plain decode steps). Drafts are only
 proposed while every running sequence is decoding and nothing waits for admission (prompts go
 first, and a verify step stays a decode-only step: the fused decode kernels), and only while the
-step's rows stay within `max_rows` (the small-batch kernels' range: big batches are
-compute-bound and gain nothing).
+step's rows stay within `max_rows` (on CPU 8: a step stays bound by reading the weights; big
+batches are compute-bound and gain nothing).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from backend.engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
 _MAX_PAUSE = 64  # steps without proposals after repeated misses, at most
+CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carry drafts
 
 
 @dataclass
