@@ -135,11 +135,11 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_environment_sets_mode_and_spin():
     code = "from kernels import cpu_ops; print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())"
-    assert _python(code).stdout.split() == ["team", "50"]  # the defaults
+    assert _python(code).stdout.split() == ["team", "100"]  # the defaults
     proc = _python(code, TPLLM_THREADING="omp", TPLLM_SPIN_US="7")
     assert proc.stdout.split() == ["omp", "7"], proc.stderr[-2000:]
     proc = _python(code, TPLLM_THREADING="bogus", TPLLM_SPIN_US="x")
-    assert proc.stdout.split() == ["team", "50"], proc.stderr[-2000:]
+    assert proc.stdout.split() == ["team", "100"], proc.stderr[-2000:]
     assert "TPLLM_THREADING=bogus" in proc.stderr and "TPLLM_SPIN_US=x" in proc.stderr
 
 

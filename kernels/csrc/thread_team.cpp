@@ -70,12 +70,13 @@ constexpr int64_t kChunksPerThread = 8;
 constexpr int64_t kMaxChunks = 0xFFFF;  // the chunk count and index fields of `next` are 16 bits
 
 // Contention: another process wants our cores. Seen as a thread of ours descheduled for longer
-// than kStallNs (a spinning worker, or a worker inside a chunk the caller then waits for), or a
-// worker woken on the caller's own CPU (no other was free). For kContendedNs after that the
-// workers do not spin between loops: a spinning worker used up its share of a contended CPU and
-// was then preempted inside its next chunk, and the caller waited for the rest of the other
-// process's time slice (SmolLM2 with the other core busy: 44 ms per token spinning, 35 not).
-constexpr int64_t kStallNs = 200 * 1000;
+// than kStallNs (a spinning worker, or the caller asleep waiting for a worker's chunk: longer
+// than a VM's wake-up jitter, shorter than another process's time slice), or a worker woken on
+// the caller's own CPU (no other was free). For kContendedNs after that the workers do not spin
+// between loops: a spinning worker used up its share of a contended CPU and was then preempted
+// inside its next chunk, and the caller waited for the rest of the other process's time slice
+// (SmolLM2 with the other core busy: 44 ms per token spinning, 35 not).
+constexpr int64_t kStallNs = 500 * 1000;
 constexpr int64_t kContendedNs = 100 * 1000 * 1000;
 
 inline void cpu_relax() {
@@ -122,7 +123,8 @@ thread_local bool t_in_task = false;  // inside a chunk: nested loops run inline
 
 struct Stats {
   std::atomic<uint64_t> jobs{0}, inline_runs{0}, chunks{0}, worker_chunks{0}, wakes{0},
-      parks{0}, caller_sleeps{0}, moved_off{0}, sat_out{0}, contended{0};
+      parks{0}, caller_sleeps{0}, caller_sleep_ns{0}, long_sleeps{0}, spin_stalls{0},
+      moved_off{0}, sat_out{0}, contended{0};
 };
 
 struct Team {
@@ -261,6 +263,7 @@ void Team::worker_loop(int index) {
         if (k % 64 == 0) {
           const int64_t t1 = now_ns();
           if (t1 - t > kStallNs) {  // descheduled while spinning: someone else wants this CPU
+            stats.spin_stalls.fetch_add(1, std::memory_order_relaxed);
             note_contention();
             break;
           }
@@ -379,7 +382,12 @@ void run(int64_t begin, int64_t end, int64_t grain, TaskFn fn, const void* ctx) 
         uint32_t d;
         while ((d = t.done.load()) != n) futex_wait(&t.done, d);
         t.caller_waiting.store(0);
-        if (now_ns() - slept > kStallNs) t.note_contention();
+        const int64_t dt = now_ns() - slept;
+        t.stats.caller_sleep_ns.fetch_add(dt, std::memory_order_relaxed);
+        if (dt > kStallNs) {
+          t.stats.long_sleeps.fetch_add(1, std::memory_order_relaxed);
+          t.note_contention();
+        }
         break;
       }
     }
@@ -411,6 +419,9 @@ void bind_thread_team(pybind11::module& m) {
     d["wakes"] = s.wakes.load();
     d["parks"] = s.parks.load();
     d["caller_sleeps"] = s.caller_sleeps.load();
+    d["caller_sleep_ns"] = s.caller_sleep_ns.load();
+    d["long_sleeps"] = s.long_sleeps.load();
+    d["spin_stalls"] = s.spin_stalls.load();
     d["moved_off"] = s.moved_off.load();
     d["sat_out"] = s.sat_out.load();
     d["contended"] = s.contended.load();

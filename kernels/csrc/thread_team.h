@@ -31,7 +31,7 @@
 namespace team {
 
 enum class Mode : int { kTeam = 0, kOmp = 1 };
-constexpr int64_t kDefaultSpinUs = 50;
+constexpr int64_t kDefaultSpinUs = 100;
 
 extern std::atomic<int> g_mode;  // a Mode; TPLLM_THREADING at load
 inline Mode mode() { return static_cast<Mode>(g_mode.load(std::memory_order_relaxed)); }
