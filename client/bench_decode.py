@@ -28,7 +28,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from client import bench_speculation, benchutil as bu
