@@ -5,7 +5,7 @@ way the C++ kernels can run their parallel loops: the project's worker team (csr
 default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, ACTIVE, unset,
 GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
-last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight read once per token,
+last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V read once per token,
 at the read bandwidth measured in this same run, before and after the modes: the best of both).
 A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
 KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
@@ -208,7 +208,9 @@ def report(res: dict) -> str:
     cfg = res["config"]
     text = [
         bu.header_line(info),
-        f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights per token at "
+        f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights + "
+        f"{(res['floor']['step_bytes'] - res['floor']['weight_bytes']) / 1e6:.0f} MB of K/V "
+        f"(mean context) per token at "
         f"{max(rates):.1f} GB/s read bandwidth (best of {', '.join(f'{r:.1f}' for r in rates)}) "
         f"= {floor_s * 1e3:.1f} ms per token",
         f"busy: {cfg['busy']}",
@@ -240,12 +242,15 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
                 print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
                       f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
     bandwidth.append(floors.read_bandwidth_gbs())
-    floor_s = cost.weight_bytes / (max(bandwidth) * 1e9)
+    # a step reads every weight and its context's K/V once (the mean context of the request)
+    step_bytes = cost.decode_bytes(args.input_len + args.tokens / 2)
+    floor_s = step_bytes / (max(bandwidth) * 1e9)
     res["cells"] = cells
     res["modes"] = [{"mode": m, "load": load, "env": mode_env(m),
                      **summarize_cells([c for c in cells if (c["mode"], c["load"]) == (m, load)])}
                     for m in modes for load in loads]
     res["floor"] = {"bandwidth_gbs": bandwidth, "weight_bytes": cost.weight_bytes,
+                    "step_bytes": step_bytes,
                     "tpot_s": floor_s, "cost": floors.cost_dict(cost)}
     by = {(m["mode"], m["load"]): m for m in res["modes"]}
     res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load)),

@@ -2,7 +2,9 @@
 threads, and the model's FLOP / byte costs that turn them into per-workload lower bounds.
 
 Prefill is compute-bound (GEMM rate), single-sequence decode is bandwidth-bound (every weight is
-read once per step), batched decode is whichever of the two is slower per step.
+read once per step, and the sequence's cached K/V once: at 1,024 tokens of context SmolLM2's
+float32 K/V is 47 MB beside 538 MB of weights), batched decode is whichever of the two is slower
+per step.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class ModelCost:
     layer_params: int  # all decoder linears (qkv, o, gate_up, down incl. biases), all layers
     lm_head_params: int
     itemsize: int
+    kv_heads: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "ModelCost":
@@ -34,7 +37,8 @@ class ModelCost:
                      + h * 2 * inter + 2 * inter * cfg.mlp_bias      # gate_up_proj
                      + inter * h + h * cfg.mlp_bias)                 # down_proj
         return cls(cfg.num_layers, cfg.num_heads, hd, per_layer * cfg.num_layers,
-                   cfg.vocab_size * h, torch.empty((), dtype=dtype).element_size())
+                   cfg.vocab_size * h, torch.empty((), dtype=dtype).element_size(),
+                   cfg.num_kv_heads)
 
     def forward_flops(self, new_tokens: int, ctx_start: int, logits_rows: int) -> float:
         """FLOPs of one sequence's forward over `new_tokens` tokens after `ctx_start` cached ones:
@@ -48,6 +52,16 @@ class ModelCost:
     def weight_bytes(self) -> int:
         """Bytes read per decode step: every linear incl. lm_head (the embedding row is ignored)."""
         return (self.layer_params + self.lm_head_params) * self.itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one cached token holds over all layers (the cache has the model's
+        dtype); a decode step reads them once per token of its context."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+    def decode_bytes(self, context: float) -> float:
+        """Bytes one sequence's decode step must read at `context` cached tokens."""
+        return self.weight_bytes + self.kv_bytes_per_token * context
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> float:
@@ -89,20 +103,23 @@ def measure(cfg: ModelConfig, dtype: torch.dtype, prefill_len: int) -> dict:
 
 
 def single_floor(cost: ModelCost, rates: dict, input_len: int, output_len: int) -> dict:
-    """Concurrency-1 floors: TTFT = prefill FLOPs / GEMM rate; TPOT = weight bytes / bandwidth."""
+    """Concurrency-1 floors: TTFT = prefill FLOPs / GEMM rate; TPOT = the bytes of a decode step
+    at the mean context (weights + K/V) / bandwidth."""
     prefill_flops = cost.forward_flops(input_len, 0, 1)
     ttft = prefill_flops / (rates["matmul_gflops"] * 1e9)
-    tpot = cost.weight_bytes / (rates["read_bandwidth_gbs"] * 1e9)
-    return {"prefill_flops": prefill_flops, "decode_bytes_per_token": cost.weight_bytes,
+    step_bytes = cost.decode_bytes(input_len + output_len / 2)
+    tpot = step_bytes / (rates["read_bandwidth_gbs"] * 1e9)
+    return {"prefill_flops": prefill_flops, "decode_bytes_per_token": step_bytes,
             "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + (output_len - 1) * tpot}
 
 
 def batch_floor(cost: ModelCost, rates: dict, n: int, input_len: int, output_len: int) -> dict:
     """Floor of `n` requests at once: all prefills at the GEMM rate, then each decode step costs
-    the slower of its compute (n rows) and one read of the weights."""
+    the slower of its compute (n rows) and one read of the weights and of the n contexts' K/V."""
     rate, bw = rates["matmul_gflops"] * 1e9, rates["read_bandwidth_gbs"] * 1e9
     prefill = n * cost.forward_flops(input_len, 0, 1) / rate
-    decode = sum(max(n * cost.forward_flops(1, input_len + j, 1) / rate, cost.weight_bytes / bw)
+    decode = sum(max(n * cost.forward_flops(1, input_len + j, 1) / rate,
+                     (cost.weight_bytes + n * cost.kv_bytes_per_token * (input_len + j)) / bw)
                  for j in range(output_len - 1))
     wall = prefill + decode
     return {"wall_s": wall, "prefill_s": prefill, "decode_s": decode,
@@ -111,4 +128,5 @@ def batch_floor(cost: ModelCost, rates: dict, n: int, input_len: int, output_len
 
 
 def cost_dict(cost: ModelCost) -> dict:
-    return asdict(cost) | {"weight_bytes": cost.weight_bytes}
+    return asdict(cost) | {"weight_bytes": cost.weight_bytes,
+                           "kv_bytes_per_token": cost.kv_bytes_per_token}

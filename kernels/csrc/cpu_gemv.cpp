@@ -2,9 +2,8 @@
 //
 // With a few rows of x the product is bound by streaming W from memory once. MKL's sgemv/sgemm
 // for M = 1 reached ~21.5 GB/s with 2 threads on this VM (SmolLM2's 121 decode GEMVs: 24.5 ms);
-// this kernel reads 4 weight rows at a time, each once, straight into 16-lane FMA accumulators
-// (one per weight row and x row; small_m_gemm.h's FmaTile, AVX-512 or AVX2) and reaches ~26 GB/s
-// (20.6 ms; AVX-512 host); with 1 thread 40 vs 45 ms.
+// this kernel reads each weight row once, in memory order, straight into 16-lane FMA accumulators
+// (one per x row; small_m_gemm.h's FmaTile, AVX-512 or AVX2): ~28-29 GB/s (AMD EPYC Zen 4).
 // Every y[m, n] is summed in the same order whatever M and the thread split are: a sequence's
 // logits do not depend on what else is in its batch (below the size where the caller switches
 // to the GEMM).

@@ -7,7 +7,7 @@
 //
 // Why: a bf16 batch-1 decode step spent most of its time in oneDNN's GEMV, which repacks each
 // weight per call; a decode step must only stream the weights (half the bytes of float32). As
-// cpu_gemv.cpp: 4 weight rows x up to 4 input rows per tile, each weight row read once.
+// cpu_gemv.cpp: a weight row at a time x up to 4 input rows, each weight row read once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
