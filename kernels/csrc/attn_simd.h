@@ -18,6 +18,20 @@
 
 namespace simd {
 
+// Reads one byte of every cache line of p[0, n) in address order. The block loops below read a
+// block head by head (rows `row` apart, a head's 64 columns each), an order the hardware
+// prefetchers do not follow; touching the block in order first streams it at close to a plain
+// read's rate (a standalone copy of the access pattern, 2 threads, AMD EPYC Zen 4: 21-22 GB/s
+// touched first vs 9-12 GB/s head by head; a plain in-order read 23-25). The kernel itself, 30
+// layers' caches cold: 64 sequences x 270 tokens 45-56 vs 66-82 ms, one of 1088 tokens 2.6-3.7
+// vs 3.0-4.3 ms (the machine shared with another job: interleaved runs).
+template <typename T>
+inline void touch_lines(const T* p, int64_t n) {
+  const volatile char* c = reinterpret_cast<const volatile char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < bytes; i += 64) (void)c[i];
+}
+
 struct SoftmaxRow {
   float max, sum;
 };
@@ -103,6 +117,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* kblk = kp + table[blk] * block_stride;
+    touch_lines(kblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       const T* kb = kblk + kh * 64;
       for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -128,6 +143,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* vblk = vp + table[blk] * block_stride;
+    touch_lines(vblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       const T* vb = vblk + kh * 64;
       for (int64_t g0 = group_start[kh]; g0 < group_start[kh + 1]; g0 += GMAX) {
