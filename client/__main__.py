@@ -101,6 +101,8 @@ def _cmd_bench_prefix(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--turn-len", type=int, default=40, help="(b) new tokens per turn")
     p.add_argument("--turn-output-len", type=int, default=32, help="(b) output tokens per turn")
     p.add_argument("--random-requests", type=int, default=64, help="(c) requests")
+    p.add_argument("--random-rounds", type=int, default=3,
+                   help="(c) paired on/off rounds, new prompts each (the median ratio counts)")
     p.add_argument("--random-in", type=int, default=256, help="(c) prompt tokens")
     p.add_argument("--random-out", type=int, default=128, help="(c) output tokens")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool per engine")

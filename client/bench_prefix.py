@@ -7,7 +7,9 @@ Workloads (text prompts; greedy with ignore_eos, so both settings do the same de
  (b) multi-turn chat: C conversations x T turns, the conversations concurrent, each turn
      resending the whole history (earlier messages and answers, as text) plus ~40 new tokens;
  (c) no shared prefix: N random prompts of I tokens, O' output tokens each, all in flight at
-     once: what caching costs when nothing hits.
+     once: what caching costs when nothing hits. A few percent is this VM's noise between two
+     runs, so (c) runs R rounds (new prompts each), on and off paired, the order alternating;
+     the ratio is the median of the rounds' ratios.
 Each workload gets its own system prompt / texts, so no run finds another's prefix cached.
 Offline: two engines in this process (caching on, off), each behind AsyncEngine (its own thread,
 as in the server), each workload run on one then the other. --server: one tritonserver per
@@ -172,8 +174,10 @@ def _timed(target, clients, results) -> dict:
             "texts": [r.text for r in rs]}
 
 
-def workloads(args, tokenizer) -> list[tuple[str, callable]]:
-    """(name, run(target)) in order; every text is fixed by the seed."""
+def workloads(args, tokenizer) -> list[tuple[str, list]]:
+    """(name, [run(target) per round]) in order; every text is fixed by the seed. (a) and (b)
+    run once; (c) runs --random-rounds times, each round on new prompts (a round's prompts
+    must not find the previous round's K/V cached)."""
     rng = random.Random(args.seed)
     out = []
     for c in args.concurrency:
@@ -181,17 +185,20 @@ def workloads(args, tokenizer) -> list[tuple[str, callable]]:
         prompts = [f"{system}\nQuestion {i}: {make_text(tokenizer, rng, args.question_len)}"
                    for i in range(args.requests)]
         out.append((f"(a) system prompt, c={c}",
-                    lambda t, p=prompts, c=c: closed_loop(t, p, c, args.output_len)))
+                    [lambda t, p=prompts, c=c: closed_loop(t, p, c, args.output_len)]))
     openings = [f"Conversation {c}. {make_text(tokenizer, rng, args.turn_len)}"
                 for c in range(args.conversations)]
     turns = [[make_text(tokenizer, rng, args.turn_len) for _ in range(args.turns)]
              for _ in range(args.conversations)]
     out.append((f"(b) multi-turn {args.conversations}x{args.turns}",
-                lambda t: multi_turn(t, openings, turns, args.turn_output_len)))
-    randoms = [f"{i} {make_text(tokenizer, rng, args.random_in - 2)}"
-               for i in range(args.random_requests)]
-    out.append((f"(c) no shared prefix, {args.random_requests} at once",
-                lambda t: closed_loop(t, randoms, args.random_requests, args.random_out)))
+                [lambda t: multi_turn(t, openings, turns, args.turn_output_len)]))
+    rounds = []
+    for r in range(args.random_rounds):
+        randoms = [f"{r}.{i} {make_text(tokenizer, rng, args.random_in - 2)}"
+                   for i in range(args.random_requests)]
+        rounds.append(lambda t, p=randoms: closed_loop(t, p, args.random_requests,
+                                                       args.random_out))
+    out.append((f"(c) no shared prefix, {args.random_requests} at once", rounds))
     return out
 
 
@@ -202,29 +209,43 @@ def run(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     jobs = workloads(args, tokenizer)
-    results: dict[str, dict] = {name: {} for name, _ in jobs}
+    rounds: dict[str, list[dict]] = {name: [{} for _ in job] for name, job in jobs}
     if args.server:  # one server at a time: on, then off
         for caching in (True, False):
             target = ServerTarget(args, caching, tokenizer)
             try:
                 for name, job in jobs:
-                    results[name]["on" if caching else "off"] = _progress(name, caching, job,
-                                                                          target)
+                    for r, run_round in enumerate(job):
+                        rounds[name][r]["on" if caching else "off"] = _progress(
+                            name, caching, run_round, target)
             finally:
                 target.close()
-    else:  # both engines loaded; each workload on one, then the other
+    else:  # both engines loaded; each round on one, then the other, the order alternating
         targets = {"on": OfflineTarget(args, True), "off": OfflineTarget(args, False)}
         try:
             for name, job in jobs:
-                for key, target in targets.items():
-                    results[name][key] = _progress(name, key == "on", job, target)
+                for r, run_round in enumerate(job):
+                    for key in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                        rounds[name][r][key] = _progress(name, key == "on", run_round,
+                                                         targets[key])
         finally:
             for t in targets.values():
                 t.close()
-    for r in results.values():
-        r["same_text"] = r["on"].pop("texts") == r["off"].pop("texts")
+    results = {name: _combine(rs) for name, rs in rounds.items()}
     return {"info": bu.run_info(args.threads, args.dtype, str(model_dir)), "results": results,
             "mode": "server" if args.server else "offline"}
+
+
+def _combine(rounds: list[dict]) -> dict:
+    """One workload's rounds: "on"/"off" are the round whose on/off throughput ratio is the
+    median (the figures shown), "ratio" that median, "rounds" every round's figures."""
+    for r in rounds:
+        r["same_text"] = r["on"].pop("texts") == r["off"].pop("texts")
+        r["ratio"] = r["on"]["output_tok_s"] / r["off"]["output_tok_s"]
+    mid = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
+    return {"on": mid["on"], "off": mid["off"], "ratio": mid["ratio"],
+            "same_text": all(r["same_text"] for r in rounds),
+            "rounds": [{"on": r["on"], "off": r["off"]} for r in rounds]}
 
 
 def _progress(name: str, caching: bool, job, target) -> dict:
@@ -251,8 +272,10 @@ def report(data: dict, args) -> str:
             ratios.append(bu.ratio_row(f"{name}: total time on/off", on["wall_s"] / off["wall_s"],
                                        0.5, False))
         else:
-            ratios.append(bu.ratio_row(f"{name}: output tok/s on/off", on["output_tok_s"] /
-                                       off["output_tok_s"], 0.98, True))
+            n = len(r["rounds"])
+            ratios.append(bu.ratio_row(f"{name}: output tok/s on/off"
+                                       + (f" (median of {n} paired rounds)" if n > 1 else ""),
+                                       r["ratio"], 0.98, True))
     title = (f"prefix caching on vs off ({data['mode']}; greedy, ignore_eos; (a) {args.requests} x "
              f"(~{args.system_len} + ~{args.question_len}) in / {args.output_len} out; (b) "
              f"~{args.turn_len} new tokens a turn, {args.turn_output_len} out; (c) "
@@ -268,6 +291,7 @@ def main(args) -> int:
         args.requests, args.system_len, args.output_len = 4, 96, 4
         args.conversations, args.turns, args.turn_output_len = 2, 2, 4
         args.random_requests, args.random_in, args.random_out = 4, 32, 4
+        args.random_rounds = 2
     data = run(args)
     print(report(data, args))
     path = bu.write_json(args.out or bu.default_out("prefix"), data)

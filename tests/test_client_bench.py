@@ -40,6 +40,9 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
                      "(b) output tok/s ours/HF"], names
     assert all(r["verdict"] in ("PASS", "MISS", "n/a") for r in data["ratios"])
     assert "(a) concurrency 1" in proc.stdout and "(b) 8 requests" in proc.stdout
+    # the decode floor counts the K/V a step reads beside the weights (the mean context's)
+    cost = data["floor"]["cost"]
+    assert data["floor"]["a"]["decode_bytes_per_token"] > cost["weight_bytes"]
 
 
 @pytest.mark.slow
@@ -112,3 +115,24 @@ def test_paired_ratios_pair_each_round() -> None:
     assert ratios["TP2x1/TP1x1"]["min"] == 0.6 and ratios["TP2x1/TP1x1"]["max"] == 0.6
     assert ratios["TP2x1/TP1x2"]["median"] == (6 / 8 + 12 / 16) / 2 and ratios["TP2x1/TP1x2"]["n"] == 2
     assert paired_ratios(results[:2], "e2e_s") == {}
+
+
+@pytest.mark.slow
+def test_bench_prefix_quick(tmp_path: Path) -> None:
+    """bench prefix --quick: (c) runs paired on/off rounds on new prompts, its ratio the median."""
+    out = tmp_path / "prefix.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "prefix", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    results = data["results"]
+    (c_name,) = [n for n in results if n.startswith("(c)")]
+    c = results[c_name]
+    assert len(c["rounds"]) == 2
+    ratios = sorted(r["on"]["output_tok_s"] / r["off"]["output_tok_s"] for r in c["rounds"])
+    assert c["ratio"] == pytest.approx(ratios[0])  # the lower median of two
+    assert all(r["same_text"] for r in results.values())
+    # a round's prompts are new: caching on finds nothing of the previous round's
+    assert all(r["on"]["cached_tokens"] == 0 for r in c["rounds"])
+    assert "(median of 2 paired rounds)" in proc.stdout
