@@ -1,6 +1,7 @@
 // The driver shared by the small-batch linears (cpu_gemv.cpp float32, cpu_gemv_bf16.cpp bf16):
-// y[M, N] (float32) = x[M, K] . w[N, K]^T a weight row at a time x up to Tile::kInputs input
-// rows, each weight row read from memory once, whatever M. Tile::run<R, MM>(w, x, K, y, ldy) computes
+// y[M, N] (float32) = x[M, K] . w[N, K]^T, a weight row (M <= Tile::kInputs) or 4 (more) at a
+// time x up to Tile::kInputs input rows, each weight row read from memory once, whatever M.
+// Tile::run<R, MM>(w, x, K, y, ldy) computes
 // R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r]; MM is at most
 // Tile::kInputs.
 #pragma once
@@ -40,9 +41,8 @@ inline float widen(uint16_t b) {  // bfloat16 bits
 // y[m, n] is the same whatever M, the thread split and the ISA variant.
 struct FmaTile {
 #if defined(TPLLM_SIMD16)
-  // one weight row x 4 inputs: 4 accumulators + 4 inputs of AVX-512's 32 registers; on AVX2
-  // (an F16 is 2 of its 16 registers) 2 inputs
-  static constexpr int kInputs = simd::kRegsPerVec == 1 ? 4 : 2;
+  // up to 4 x 4 accumulators: 16 of AVX-512's 32 registers; on AVX2 4 x 1 take 8 of its 16
+  static constexpr int kInputs = simd::kRegsPerVec == 1 ? 4 : 1;
   template <int R, int MM, typename W>
   static void run(const W* w, const float* x, int64_t K, float* y, int64_t ldy) {
     using namespace simd;
@@ -93,16 +93,32 @@ struct FmaTile {
 
 template <class Tile, typename W, typename X>
 void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
-  // One weight row at a time, in memory order: the weights stream as one sequential read per
-  // thread chunk. Tiles of 4 rows read 4 interleaved streams instead, which the hardware
-  // prefetchers followed worse: SmolLM2's 121 decode GEMVs (538 MB, 2 threads, AMD EPYC Zen 4)
-  // took 21.5 ms in 4-row tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6 GB/s, interleaved
-  // runs of a standalone copy). Each row's sum is unchanged (its own accumulator, k in order).
   // >= ~64 KB of weights per task: small layers stay on one thread
-  const int64_t grain = std::max<int64_t>(
+  const int64_t grain_rows = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W))));
-  team::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) rows_by_inputs<Tile, 1>(w + n * K, x, M, K, y + n, N);
+  // Up to one group of inputs: one weight row at a time, in memory order, so the weights stream
+  // as one sequential read per thread chunk. 4-row tiles read 4 interleaved streams, which the
+  // hardware prefetchers followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2
+  // threads, AMD EPYC Zen 4) took 21.5 ms in tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6
+  // GB/s, interleaved runs of a standalone copy). More inputs: 4-row tiles, where each input
+  // vector loaded serves 4 rows (row by row, 8 inputs were up to 1.5x slower). Each y[m, n] is
+  // summed the same way in both (its own accumulator, k in order): M changes no row's result.
+  if (M <= Tile::kInputs) {
+    team::parallel_for(0, N, grain_rows, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) rows_by_inputs<Tile, 1>(w + n * K, x, M, K, y + n, N);
+    });
+    return;
+  }
+  const int64_t blocks = (N + 3) / 4;
+  team::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / 4), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * 4;
+      if (n + 4 <= N) {
+        rows_by_inputs<Tile, 4>(w + n * K, x, M, K, y + n, N);
+      } else {
+        for (int64_t r = n; r < N; ++r) rows_by_inputs<Tile, 1>(w + r * K, x, M, K, y + r, N);
+      }
+    }
   });
 }
 
