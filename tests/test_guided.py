@@ -9,9 +9,12 @@ import re
 import threading
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from backend import SamplingParams
+from backend.engine import guided as guided_mod
 from backend.triton.request import parse_request
 from tests.guided_schemas import SCHEMAS
 
@@ -92,6 +95,30 @@ def test_regex_choice_grammar_and_json_object(smollm):
                 ast.parse(out.text, mode="eval")
             else:
                 assert isinstance(json.loads(out.text), dict), out.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab,rows,masked", [(49152, 1, [0]), (100, 3, [0, 1, 2]),
+                                               (70, 4, [1, 3]), (33, 2, [1])])
+def test_mask_logits_bans_exactly_the_cleared_bits(vocab, rows, masked, dtype):
+    """The numpy mask (CPU) and the torch one (other devices, bfloat16) agree with a per-token
+    reference: bit b of word w allows token 32 * w + b, bit 31 included; other rows untouched."""
+    g = torch.Generator().manual_seed(vocab + rows)
+    words = (vocab + 31) // 32
+    allowed = torch.rand(len(masked), words * 32, generator=g) < 0.5
+    allowed[:, -1] = True  # the sign bit of the last word (past the vocab where vocab % 32)
+    if len(masked) > 1:
+        allowed[1] = True  # a row that allows everything
+    packed = np.packbits(allowed.numpy(), axis=-1, bitorder="little").view(np.int32)
+    bitmasks = [torch.from_numpy(packed[j:j + 1].copy()) for j in range(len(masked))]
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    want = logits.clone()
+    for j, i in enumerate(masked):
+        want[i, ~allowed[j, :vocab]] = float("-inf")
+    for fn in (guided_mod.mask_logits, guided_mod._mask_torch):
+        got = logits.clone()
+        fn(got, bitmasks, masked)
+        assert torch.equal(got, want), fn.__name__
 
 
 def test_constrained_rows_leave_unconstrained_rows_unchanged(smollm):

@@ -5,12 +5,25 @@
 - GuidedState is one request's matcher plus the bitmask of the tokens it may take next. The
   engine starts it once the Future is done; until then the scheduler holds back the request's
   last prompt token (the one whose logits are sampled), so its prefill overlaps the compile.
-- GuidedMasker is the sampler's hook: it unpacks the constrained rows' bitmasks with torch ops
-  on the logits' device and masks those rows in place on the logits the sampler already has
-  (same tensor: nothing new for the cold-path counter), before penalties, temperature and the
-  top-k/top-p/min-p filters. Unconstrained rows are not touched. (xgrammar's own CPU mask kernel
-  made a 2-core batch-1 decode step ~7x slower, its threads contending with torch's; torch's ops
-  run on torch's thread pool and on any device without a kernel to compile.)
+- GuidedMasker is the sampler's hook: it masks the constrained rows in place on the logits the
+  sampler already has (same tensor: nothing new for the cold-path counter), before penalties,
+  temperature and the top-k/top-p/min-p filters. Unconstrained rows are not touched.
+
+Masking on CPU uses numpy, which never opens a parallel region. Measured at batch 1 (SmolLM2,
+49152 tokens, the 10-field schema of client/bench_structured.py; AMD EPYC Zen 4, 2 cores shared
+with other work): torch ops (a [n, words, 32] shift-and-compare, then masked_fill_) took 0.15 ms
+alone and 0.35-0.44 ms inside a step (13-22 ms while higher-priority work held the other core),
+and each of their 49152-element ops opens an OpenMP region, after which libgomp's worker (wait
+policy unset, the benchmarks' default) spins ~8 ms: into the next forward pass, on the core the
+kernels' worker team needs (that forward took 1-6 ms longer). xgrammar's CPU kernel took 0.22 ms
+and then spins threads of its own (~3.5 ms of CPU). numpy: 0.04 ms alone, 0.19 ms inside a
+step, no spin; steps were then within noise of unconstrained ones. Other devices keep the torch
+ops (no OpenMP there, and no kernel to compile).
+
+The next bitmask is filled inline, right after the token is accepted: accept_token + fill + the
+completeness check took ~0.12 ms inside a step; handing the fill to a worker thread to overlap
+the next forward pass cost the engine thread as much (submit + join 0.075 ms vs 0.078 ms inline)
+and would put a third thread on the 2 cores the forward needs.
 
 EOS (the engine's stop ids) is allowed exactly where the grammar may end. A matcher that can
 take nothing but EOS is complete: the engine finishes the request ("stop") without sampling it.
@@ -18,16 +31,22 @@ take nothing but EOS is complete: the engine finishes the request ("stop") witho
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from backend.engine.guided_spec import GuidedSpec
 
 DEFAULT_CACHE_ENTRIES = 256
+# logits dtypes masked through a numpy view (numpy has no bfloat16); the byte view needs the
+# bitmask's int32 words little-endian
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _load_xgrammar():
@@ -154,7 +173,6 @@ class GuidedMasker:
         for t in stop_ids:
             if 0 <= t < vocab_size:
                 self.stop_only[t // 32] |= _bit(t % 32)
-        self._shifts: dict[torch.device, torch.Tensor] = {}  # 0..31 per device, made once
 
     def state_for(self, spec: GuidedSpec | None) -> GuidedState | None:
         """A new request's state; its grammar starts compiling now (or is already cached)."""
@@ -176,20 +194,8 @@ class GuidedMasker:
     def apply(self, logits: torch.Tensor, rows: Sequence) -> None:
         """Mask, in place, every row whose sequence carries a started GuidedState."""
         idx = [i for i, r in enumerate(rows) if getattr(r, "guided", None) is not None]
-        if not idx:
-            return
-        dev = logits.device
-        shifts = self._shifts.get(dev)
-        if shifts is None:
-            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        masks = torch.cat([rows[i].guided.bitmask for i in idx]).to(dev)  # [n, words] int32
-        # bit b of word w allows token 32 * w + b
-        banned = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[-1]] == 0
-        if len(idx) == len(rows):
-            logits.masked_fill_(banned, float("-inf"))
-        else:
-            at = torch.tensor(idx, device=dev)
-            logits[at] = logits[at].masked_fill_(banned, float("-inf"))
+        if idx:
+            mask_logits(logits, [rows[i].guided.bitmask for i in idx], idx)
 
     def close(self) -> None:
         self.cache.close()
@@ -198,3 +204,44 @@ class GuidedMasker:
 def _bit(i: int) -> int:
     """Bit i of an int32 word as a Python int in int32 range (bit 31 is the sign bit)."""
     return -(1 << 31) if i == 31 else 1 << i
+
+
+def mask_logits(logits: torch.Tensor, bitmasks: list[torch.Tensor], idx: list[int]) -> None:
+    """Set logits[idx[j], t] to -inf wherever bitmasks[j] ([1, words] int32) bans token t."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and _LITTLE_ENDIAN:
+        _mask_numpy(logits, bitmasks, idx)
+    else:
+        _mask_torch(logits, bitmasks, idx)
+
+
+def _mask_numpy(logits: torch.Tensor, bitmasks: list[torch.Tensor], idx: list[int]) -> None:
+    """One thread, no OpenMP region (the module docstring says why and what it costs)."""
+    words = [m.numpy() for m in bitmasks]
+    masks = words[0] if len(words) == 1 else np.concatenate(words)  # [n, words] int32
+    # the inverted bytes unpacked least significant bit first: True = banned, in token order
+    banned = np.unpackbits(np.invert(masks.view(np.uint8)), axis=-1,
+                           bitorder="little").view(np.bool_)[:, :logits.shape[-1]]
+    out = logits.numpy()  # shares logits' memory
+    if len(idx) == out.shape[0]:
+        np.copyto(out, -np.inf, where=banned)
+    else:
+        for j, i in enumerate(idx):
+            np.copyto(out[i], -np.inf, where=banned[j])
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}  # 0..31 per device, made once
+
+
+def _mask_torch(logits: torch.Tensor, bitmasks: list[torch.Tensor], idx: list[int]) -> None:
+    dev = logits.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    masks = torch.cat(bitmasks).to(dev)  # [n, words] int32
+    # bit b of word w allows token 32 * w + b
+    banned = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[-1]] == 0
+    if len(idx) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        at = torch.tensor(idx, device=dev)
+        logits[at] = logits[at].masked_fill_(banned, float("-inf"))
