@@ -37,6 +37,20 @@ def test_scheduler_trims_the_last_chunk_to_a_bucket():
     assert [n for _, n in out.scheduled] == [3, 100, 89]
 
 
+def test_scheduler_pads_a_last_chunk_it_would_cut_more_of():
+    """255 tokens: 1 token of padding to the 256 bucket instead of 63 cut to 192 and a step of
+    their own before the prompt's first token."""
+    plan = BucketPlan.build(8, 512)
+    sched = Scheduler(KVCacheManager(256, 4), 8, 512, plan)
+    sched.add(Sequence("a", list(range(255)), 255, SamplingParams(), 0))
+    out = sched.schedule()
+    assert [n for _, n in out.scheduled] == [255] and plan.token_bucket(out.num_tokens) == 256
+    # a prompt the budget cuts (more of it runs next step anyway) is not padded
+    sched = Scheduler(KVCacheManager(256, 4), 8, 512, plan)
+    sched.add(Sequence("b", list(range(600)), 600, SamplingParams(), 0))
+    assert [n for _, n in sched.schedule().scheduled] == [512]
+
+
 def _varied_workload(llm: LLM, seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(4):

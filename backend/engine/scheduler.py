@@ -132,8 +132,16 @@ class Scheduler:
         target = self.plan.bucket_at_most(total)
         i = chunks[-1]
         seq, n = out[i]
-        if target is not None and 0 < total - target < n - 1:  # keep >= 2: still a chunk
-            out[i] = (seq, n - (total - target))
+        cut = total - target if target is not None else 0
+        # A chunk that is all its sequence can run now (its prompt's end, or the end before a
+        # token held back for its grammar) would need a step of its own for the cut tokens: a
+        # whole step's latency before its first token. Padding up costs less when it computes
+        # fewer wasted tokens than it would cut (255 tokens: 1 of padding vs 63 cut to 192;
+        # measured: a new-schema request's TTFT 420 -> ~375 ms beside 350 for a cached one).
+        if n == seq.num_schedulable and self.plan.token_bucket(total) - total <= cut:
+            return
+        if 0 < cut < n - 1:  # keep >= 2: still a chunk
+            out[i] = (seq, n - cut)
 
     def _youngest_other(self, seq: Sequence) -> Sequence:
         """The preemption victim: the youngest running sequence younger than seq, else seq."""
