@@ -419,14 +419,6 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
   });
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // Publishes `seq` in this rank's flag (flags: `line` int64s per rank), then spins until every
 // rank has published it, at most max_spins pauses per rank; false if one had not by then.
 inline bool publish_and_wait(int64_t* flags, int64_t line, int64_t world, int64_t rank,
@@ -436,7 +428,7 @@ inline bool publish_and_wait(int64_t* flags, int64_t line, int64_t world, int64_
     int64_t spins = 0;
     while (__atomic_load_n(flags + r * line, __ATOMIC_ACQUIRE) < seq) {
       if (++spins > max_spins) return false;
-      cpu_relax();
+      team::cpu_relax();
     }
   }
   return true;

@@ -79,14 +79,6 @@ constexpr int64_t kMaxChunks = 0xFFFF;  // the chunk count and index fields of `
 constexpr int64_t kStallNs = 500 * 1000;
 constexpr int64_t kContendedNs = 100 * 1000 * 1000;
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())

@@ -33,6 +33,16 @@ namespace team {
 enum class Mode : int { kTeam = 0, kOmp = 1 };
 constexpr int64_t kDefaultSpinUs = 100;
 
+// One pause in a spin-wait loop (the team's, the shared-memory all-reduce's): lets the
+// sibling hyperthread run and the loop leave the pipeline without a memory-order flush.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 extern std::atomic<int> g_mode;  // a Mode; TPLLM_THREADING at load
 inline Mode mode() { return static_cast<Mode>(g_mode.load(std::memory_order_relaxed)); }
 void set_mode(Mode m);
