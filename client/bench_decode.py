@@ -5,8 +5,9 @@ way the C++ kernels can run their parallel loops: the project's worker team (csr
 default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, ACTIVE, unset,
 GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
-last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V read once per token,
-at the read bandwidth measured in this same run, before and after the modes: the best of both).
+last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V
+read once per token, at the read bandwidth measured in this same run, before and after the
+modes: the best of both).
 A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
 KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
 per mode and load, in interleaved rounds: this VM's speed differs between processes by up to

@@ -59,9 +59,10 @@ class ModelCost:
         dtype); a decode step reads them once per token of its context."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
-    def decode_bytes(self, context: float) -> float:
-        """Bytes one sequence's decode step must read at `context` cached tokens."""
-        return self.weight_bytes + self.kv_bytes_per_token * context
+    def decode_bytes(self, context: float, sequences: int = 1) -> float:
+        """Bytes a decode step of `sequences` rows must read at `context` cached tokens each:
+        the weights once, every row's K/V."""
+        return self.weight_bytes + sequences * self.kv_bytes_per_token * context
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> float:
@@ -119,7 +120,7 @@ def batch_floor(cost: ModelCost, rates: dict, n: int, input_len: int, output_len
     rate, bw = rates["matmul_gflops"] * 1e9, rates["read_bandwidth_gbs"] * 1e9
     prefill = n * cost.forward_flops(input_len, 0, 1) / rate
     decode = sum(max(n * cost.forward_flops(1, input_len + j, 1) / rate,
-                     (cost.weight_bytes + n * cost.kv_bytes_per_token * (input_len + j)) / bw)
+                     cost.decode_bytes(input_len + j, n) / bw)
                  for j in range(output_len - 1))
     wall = prefill + decode
     return {"wall_s": wall, "prefill_s": prefill, "decode_s": decode,
