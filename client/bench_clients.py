@@ -56,7 +56,9 @@ def run_genai_perf(a, backend: str, tokenizer_dir: str, artifacts: Path) -> dict
            "--tokenizer", tokenizer_dir, "--synthetic-input-tokens-mean", str(a.input_len),
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(a.output_len),
            "--output-tokens-mean-deterministic", "--extra-inputs", "ignore_eos:true",
-           "--extra-inputs", "temperature:0.0", "--concurrency", str(a.concurrency),
+           "--extra-inputs", "temperature:0.0",
+           # perf_analyzer 2.51 and an output a response lacks: model_repository/README.md
+           "--extra-inputs", "return_cumulative_logprob:true", "--concurrency", str(a.concurrency),
            "--request-count", str(a.concurrency), "--warmup-request-count", "0",
            "--artifact-dir", str(artifacts)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)

@@ -6,7 +6,17 @@
 One request: a prompt of exactly `--input-len` tokens of the served tokenizer (the default
 SmolLM2), `max_tokens` = `--output-len`, `ignore_eos` (every request generates exactly that many
 tokens), greedy, `stream: true` (one response per token: what perf_analyzer's
-`--streaming` measures). The committed file is what this writes with the defaults.
+`--streaming` measures), and `return_cumulative_logprob` (below). The committed file is what
+this writes with the defaults.
+
+Why `return_cumulative_logprob`: perf_analyzer 2.51 (tritonclient 2.51.0's binary) records every
+output of the model for every response, and for an output a response does not carry it records
+whatever bytes it finds (seen: +-1e38, 2e23 in exports). Our optional outputs are sent only when
+asked for, so the FP32 one (`cumulative_logprob`) was garbage on every streamed delta; when the
+garbage was a NaN/Inf bit pattern, perf_analyzer's JSON writer stopped mid-document, its buffer
+was never flushed, and `--profile-export-file` was left empty with exit status 0 (1 in ~8 runs of
+tests/integration/test_perf_analyzer.py on 2026-12-02). Asking for the output puts a real,
+finite value on every response; it costs one log-sum-exp over the vocabulary per token.
 """
 from __future__ import annotations
 
@@ -22,7 +32,8 @@ from client.serve_overhead import make_prompts
 def input_data(prompt: str, max_tokens: int) -> dict:
     """perf_analyzer's --input-data JSON: one entry, every input a list (its shape [1])."""
     return {"data": [{"text_input": [prompt], "max_tokens": [max_tokens], "ignore_eos": [True],
-                      "temperature": [0.0], "stream": [True]}]}
+                      "temperature": [0.0], "stream": [True],
+                      "return_cumulative_logprob": [True]}]}
 
 
 def summarize_export(path: Path) -> dict:

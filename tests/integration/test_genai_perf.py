@@ -29,6 +29,8 @@ def test_genai_perf_profiles_each_backend(server, default_model_dir, tmp_path, b
            "--synthetic-input-tokens-mean", str(INPUT_LEN), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(OUTPUT_LEN), "--output-tokens-mean-deterministic",
            "--extra-inputs", "ignore_eos:true", "--concurrency", "2",
+           # perf_analyzer 2.51 and an output a response lacks: model_repository/README.md
+           "--extra-inputs", "return_cumulative_logprob:true",
            "--request-count", str(REQUESTS), "--warmup-request-count", "0",
            "--artifact-dir", str(tmp_path / "artifacts")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
