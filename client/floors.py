@@ -80,15 +80,22 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> 
 
 
 def read_bandwidth_gbs(gib: float = 1.0, runs: int = 5) -> float:
-    """Best-of-`runs` GB/s of summing a buffer far larger than the caches. It is filled with ones
-    (not torch.empty) so its pages are really mapped and the sum reads DRAM, not the zero page."""
-    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    buf.sum()
+    """Best-of-`runs` GB/s of reading a buffer far larger than the caches, the faster of two
+    readers: torch's float sum, and (when the kernels load) their own probe, which reads one
+    contiguous slice per thread as a decode GEMV does (kernels/csrc/thread_team.cpp). Neither
+    is always the faster on this VM. The buffer is filled with ones (not torch.empty) so its
+    pages are really mapped and the reads reach DRAM, not the zero page."""
+    buf = torch.ones(int(gib * 2**30) // 64 * 16, dtype=torch.float32)
+    from kernels import cpu_ext
+    ext = cpu_ext.load()  # None without a compiler: torch's reader alone
+    readers = [buf.sum] + ([lambda: ext.read_probe(buf)] if ext is not None else [])
     best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
+    for read in readers:
+        read()
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - t0)
     nbytes = buf.numel() * buf.element_size()
     del buf
     gc.collect()

@@ -184,3 +184,22 @@ def test_team_and_omp_compute_the_same_bits(dtype, default_model_dir):
         assert (ran_on_team > 0) == (mode == "team"), (mode, ran_on_team)
     for key, want in results["omp"].items():
         assert torch.equal(results["team"][key], want), key
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_probe_sums_every_word_once(threads):
+    # the benchmarks' read-bandwidth probe: one slice per thread, the slices cover the buffer
+    # exactly (a word read twice or skipped changes the sum), odd sizes included
+    g = torch.Generator().manual_seed(0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for words in (8, 8 * 1001, 8 * 65537):
+            buf = torch.randint(-2**62, 2**62, (words,), dtype=torch.int64, generator=g)
+            want = int(buf.sum())  # int64 wraps as the probe's uint64 does
+            assert ext.read_probe(buf) == want
+            assert ext.read_probe(buf.view(torch.float32)) == want
+    finally:
+        torch.set_num_threads(old)
+    with pytest.raises(RuntimeError, match="multiple of 64 bytes"):
+        ext.read_probe(torch.zeros(3))

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -391,6 +392,42 @@ void run(int64_t begin, int64_t end, int64_t grain, TaskFn fn, const void* ctx) 
 
 }  // namespace team
 
+namespace {
+
+// The benchmarks' read-bandwidth probe (client/floors.py): every 64-bit word of `buf` summed,
+// each thread of the team one contiguous slice, as a decode GEMV reads its rows. Integer adds
+// into 8 independent sums: the compiler vectorizes them for the variant's ISA without
+// reassociating floats, so the loop is bound by the loads. Returns the sum (so nothing is
+// optimized away); the caller times it. torch's float sum of the same buffer read ~31 GB/s in
+// minutes when our decode step streamed ~41 on this VM: too lenient a floor.
+int64_t read_probe(const torch::Tensor& buf) {
+  TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous() && buf.nbytes() % 64 == 0,
+              "read_probe: a contiguous CPU tensor of a multiple of 64 bytes");
+  const auto* words = static_cast<const uint64_t*>(buf.data_ptr());
+  const int64_t n = static_cast<int64_t>(buf.nbytes() / 8);
+  const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<uint64_t> sums(static_cast<size_t>(parts), 0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    team::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = (n * t / parts) & ~int64_t{7}, e = t + 1 == parts ? n : (n * (t + 1) / parts) & ~int64_t{7};
+        uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t i = b; i < e; i += 8)
+          for (int j = 0; j < 8; ++j) acc[j] += words[i + j];
+        uint64_t s = 0;
+        for (int j = 0; j < 8; ++j) s += acc[j];
+        sums[static_cast<size_t>(t)] = s;
+      }
+    });
+  }
+  uint64_t total = 0;
+  for (uint64_t s : sums) total += s;
+  return static_cast<int64_t>(total);
+}
+
+}  // namespace
+
 // Python: the mode and spin switches, counters, and hooks the tests drive the team through.
 void bind_thread_team(pybind11::module& m) {
   namespace py = pybind11;
@@ -400,6 +437,7 @@ void bind_thread_team(pybind11::module& m) {
     team::set_mode(mode == "omp" ? team::Mode::kOmp : team::Mode::kTeam);
   });
   m.def("team_spin_us", &team::spin_us);
+  m.def("read_probe", &read_probe);
   m.def("set_team_spin_us", &team::set_spin_us);
   m.def("team_stats", [] {
     const auto& s = team::the_team().stats;
