@@ -21,7 +21,12 @@ from kernels.metadata import DecodeBatch, PrefillChunk
 _ext = load()
 
 rms_norm = _ref.rms_norm
-SMALL_M = 32  # up to this many rows a linear streams its weight once in C++; more: MKL's GEMM
+# Up to this many rows a linear streams its weight once in C++ (small_m_gemm.h); more: MKL's
+# GEMM. SmolLM2 float32 steps of 40-64 tokens, 2 threads, AMD EPYC Zen 4, min of 3 warmups each,
+# 2 processes per setting: 84-118 ms at 64 against 111-147 at 32 (MKL from 33 rows); forced to
+# the avx2 variant with MKL/oneDNN capped at AVX2: 99-136 against 119-153. From 96 on MKL is as
+# fast or faster (128 rows: 199-203 ms against 206-264).
+SMALL_M = 64
 BF16_SMALL_M = 2  # the same for bf16 (cpu_gemv_bf16.cpp); more: oneDNN
 rotary = _ref.rotary
 write_kv = _ref.write_kv
