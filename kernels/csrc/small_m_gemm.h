@@ -1,5 +1,5 @@
 // The driver shared by the small-batch linears (cpu_gemv.cpp float32, cpu_gemv_bf16.cpp bf16):
-// y[M, N] (float32) = x[M, K] . w[N, K]^T, a weight row (M <= Tile::kInputs) or 4 (more) at a
+// y[M, N] (float32) = x[M, K] . w[N, K]^T, a weight row (few inputs) or 4 (more) at a
 // time x up to Tile::kInputs input rows, each weight row read from memory once, whatever M.
 // Tile::run<R, MM>(w, x, K, y, ldy) computes
 // R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r]; MM is at most
@@ -96,14 +96,18 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain_rows = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W))));
-  // Up to one group of inputs: one weight row at a time, in memory order, so the weights stream
-  // as one sequential read per thread chunk. 4-row tiles read 4 interleaved streams, which the
-  // hardware prefetchers followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2
-  // threads, AMD EPYC Zen 4) took 21.5 ms in tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6
-  // GB/s, interleaved runs of a standalone copy). More inputs: 4-row tiles, where each input
-  // vector loaded serves 4 rows (row by row, 8 inputs were up to 1.5x slower). Each y[m, n] is
-  // summed the same way in both (its own accumulator, k in order): M changes no row's result.
-  if (M <= Tile::kInputs) {
+  // Up to 6 inputs on AVX-512 (1 on AVX2): one weight row at a time, in memory order, so the
+  // weights stream as one sequential read per thread chunk (a second group of inputs reads the
+  // row again from L1). 4-row tiles read 4 interleaved streams, which the hardware prefetchers
+  // followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2 threads, AMD EPYC Zen 4)
+  // took 21.5 ms in tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6 GB/s, interleaved runs
+  // of a standalone copy). The same GEMVs + lm_head through cpu_ops.linear, against 4 inputs in
+  // the same run: 5 inputs (a speculative verify step, 1 + 4 drafts) in tiles 1.34x, row by row
+  // 1.0-1.25x; 6: 1.34x against 1.1x; 8: tiles 1.41x, row by row 1.44-1.65x. More inputs: 4-row
+  // tiles, where each input vector loaded serves 4 rows. Each y[m, n] is summed the same way in
+  // both (its own accumulator, k in order): M changes no row's result.
+  constexpr int64_t kRowByRowInputs = Tile::kInputs > 1 ? 6 : Tile::kInputs;
+  if (M <= kRowByRowInputs) {
     team::parallel_for(0, N, grain_rows, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) rows_by_inputs<Tile, 1>(w + n * K, x, M, K, y + n, N);
     });
