@@ -25,7 +25,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context (and sliding window)
     # CPU float32: a second, MKL-packed copy of every linear weight for the full decode batch
-    # (max_num_seqs rows), whose GEMMs then run ~27% faster; costs the weights' memory once more
+    # (max_num_seqs rows) when it is above kernels.cpu_ops.SMALL_M (64; up to that the C++ linears
+    # are faster), whose GEMMs then run ~27% faster; costs the weights' memory once more
     cpu_packed_gemm: bool = True
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
     enable_prefix_caching: bool = True
