@@ -411,7 +411,9 @@ int64_t read_probe(const torch::Tensor& buf) {
     pybind11::gil_scoped_release no_gil;
     team::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = (n * t / parts) & ~int64_t{7}, e = t + 1 == parts ? n : (n * (t + 1) / parts) & ~int64_t{7};
+        // slice bounds on 8-word (64-byte) steps; the last slice ends at n (a multiple of 8)
+        const int64_t b = (n * t / parts) & ~int64_t{7};
+        const int64_t e = t + 1 == parts ? n : (n * (t + 1) / parts) & ~int64_t{7};
         uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t i = b; i < e; i += 8)
           for (int j = 0; j < 8; ++j) acc[j] += words[i + j];
