@@ -223,15 +223,17 @@ def test_logprobs_are_raw_log_softmax():
     assert out.token_ids[2] == int(penalized.argmax()) != 4
 
 
-def test_chosen_logprobs_match_torch_at_vocabulary_size():
+def test_log_softmax_rows_match_torch_at_vocabulary_size():
     # the numpy path (CPU float32) against torch's log_softmax, a SmolLM2-sized row, wide range
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 49152, generator=g) * 20
     chosen = torch.tensor([0, int(x[1].argmax()), int(x[2].argmin())])
     ref = x.log_softmax(-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
-    got = sampler_mod.chosen_logprobs(x, chosen)
+    lsm = sampler_mod.log_softmax_rows(x)
+    got = lsm.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     assert got == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-5)
     assert got[1] > got[0] > got[2]
+    assert torch.allclose(lsm, x.log_softmax(-1), rtol=1e-5, atol=1e-4)
 
 
 def test_sampling_params_top_k_must_be_int():

@@ -234,14 +234,16 @@ class Sampler:
         logprobs: list[float | None] = [None] * len(rows)
         positions: list[lp_mod.PositionLogprobs | None] = [None] * len(rows)
         if raw is not None:
-            for i, v in zip(lp_rows, chosen_logprobs(raw, tokens[lp_rows])):
+            lsm = log_softmax_rows(raw)
+            chosen = tokens[lp_rows].unsqueeze(1)
+            for i, v in zip(lp_rows, lsm.gather(1, chosen).squeeze(1).tolist()):
                 logprobs[i] = v
             top = [j for j, i in enumerate(lp_rows) if params[i].top_logprobs is not None]
             if top:
                 rows_top = [lp_rows[j] for j in top]
-                lsm = raw[top].log_softmax(dim=-1)
                 for i, pos in zip(rows_top, lp_mod.compute(
-                        lsm, tokens[rows_top], [params[i].top_logprobs for i in rows_top])):
+                        _copy_rows(lsm, top), tokens[rows_top],
+                        [params[i].top_logprobs for i in rows_top])):
                     positions[i] = pos
         return SamplerOutput(token_ids=out, logprobs=logprobs, position_logprobs=positions)
 
@@ -285,11 +287,10 @@ def _copy_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.from_numpy(logits.numpy()[rows])
 
 
-def chosen_logprobs(raw: torch.Tensor, chosen: torch.Tensor) -> list[float]:
-    """log_softmax(raw)[r, chosen[r]] for each row; on CPU in numpy, for _copy_rows' reason."""
+def log_softmax_rows(raw: torch.Tensor) -> torch.Tensor:
+    """raw.log_softmax(dim=-1); on CPU in numpy, for _copy_rows' reason."""
     if raw.device.type != "cpu" or raw.dtype != torch.float32:
-        return raw.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        return raw.log_softmax(dim=-1)
     x = raw.numpy()
     top = x.max(axis=1, keepdims=True)
-    log_sum = top[:, 0] + np.log(np.exp(x - top).sum(axis=1))
-    return (x[np.arange(x.shape[0]), chosen.numpy()] - log_sum).tolist()
+    return torch.from_numpy(x - (top + np.log(np.exp(x - top).sum(axis=1, keepdims=True))))
