@@ -172,6 +172,9 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--parts", default="1,2",
                    help="1: threading modes; 2: speculative decoding on vs off (default 1,2)")
+    p.add_argument("--server", action="store_true",
+                   help="part 1 also through tritonserver with the default config "
+                        "(perf_analyzer, concurrency 1, --rounds x --loads cells)")
     speculation_args(p, prefix="spec-")
     p.set_defaults(runner="client.bench_decode")
 

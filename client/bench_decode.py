@@ -6,8 +6,12 @@ default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, 
 GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
 last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V
-read once per token, at the read bandwidth measured in this same run, before and after the
-modes: the best of both).
+read once per token). The floor of a cell is taken at the read bandwidth measured right before
+and right after that cell (the best of both, no busy loop running): this VM's bandwidth swings
+between ~30 and ~47 GB/s within minutes, so a floor measured once at the start of a run that
+lasts half an hour made the same decode read as 1.2x or 1.75x of it. A mode's ratio is the
+median of its cells' ratios. --server adds the served default (tritonserver, the committed
+model_repository config, perf_analyzer at concurrency 1): client/bench_decode_server.py.
 A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
 KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
 per mode and load, in interleaved rounds: this VM's speed differs between processes by up to
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +43,7 @@ DEFAULT_MODES = "team,team-spin0,omp-passive,omp-active,omp-unset,omp-spin10k"
 # the variables a mode sets; every other one is removed from the child's environment
 _THREADING_VARS = ("TPLLM_THREADING", "TPLLM_SPIN_US", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 PROBE_TOKENS = 8
+TARGETS = (("quiet", 1.2), ("busy", 1.6))  # TPOT / floor, issue 17
 
 
 def mode_env(name: str) -> dict[str, str]:
@@ -72,9 +78,15 @@ def child_env(mode: str) -> dict[str, str]:
 
 
 def start_busy(cpu: int | None) -> subprocess.Popen:
-    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None)."""
-    pin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
-    return subprocess.Popen([sys.executable, "-c", pin + "while True:\n    pass\n"])
+    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None).
+    On Linux it dies with the benchmark (PR_SET_PDEATHSIG): a benchmark killed mid-cell must
+    not leave a core busy behind it."""
+    code = ("import ctypes, signal, sys\n"
+            "if sys.platform.startswith('linux'):\n"
+            "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG\n")
+    if cpu is not None:
+        code += f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n"
+    return subprocess.Popen([sys.executable, "-c", code + "while True:\n    pass\n"])
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -86,7 +98,8 @@ def run_cell(args, mode: str, load: str, round_: int) -> dict:
     """One mode under one load, in a fresh process; its measurements (or why there are none)."""
     spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
             "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
-            "seed": args.seed, "give_up_ms": args.give_up_ms}
+            "seed": args.seed, "give_up_ms": args.give_up_ms, "paired": load == "quiet",
+            "step_bytes": args.step_bytes}
     busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
     cell = {"mode": mode, "load": load, "round": round_, "env": mode_env(mode)}
     with tempfile.TemporaryDirectory() as d:
@@ -122,6 +135,10 @@ def summarize_cells(cells: list[dict]) -> dict:
     runs = [r for c in cells for r in c.get("runs", [])]
     if runs:
         out["tpot_s"] = bu.summarize([r["tpot_s"] for r in runs])
+    if ratios := [c["floor_ratio"] for c in cells if "floor_ratio" in c]:
+        out["floor_ratio"] = bu.summarize(ratios)
+    if paired := [c["paired"]["ratio"]["median"] for c in cells if c.get("paired")]:
+        out["paired_ratio"] = bu.summarize(paired)
     team = [c["team"] for c in cells if c.get("team")]
     if team:
         out["team"] = {k: sum(t[k] for t in team) for k in team[0]}
@@ -164,6 +181,9 @@ def child_main(spec_path: str, out_path: str) -> int:
         out["runs"] = [{"tpot_s": tpot(spec["tokens"])} for _ in range(spec["repeats"])]
         after = ext.team_stats() if ext is not None else {}
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
+        if spec["paired"] and ext is not None:
+            from client import floors
+            out["paired"] = floors.paired_steps(llm, prompt, spec["tokens"], spec["step_bytes"])
     Path(out_path).write_text(json.dumps(out))
     return 0
 
@@ -178,10 +198,19 @@ def _tpot(cell: dict | None) -> str:
     return "failed" if "error" in cell else "-"
 
 
-def _ratio(cell: dict | None, floor_s: float) -> float | None:
-    if cell is None or "tpot_s" not in cell:
+def cell_ratio(tpot_s: float, bandwidth_gbs: list[float], step_bytes: float) -> float:
+    """TPOT over the floor at the best of the bandwidths measured around it."""
+    return tpot_s / (step_bytes / (max(bandwidth_gbs) * 1e9))
+
+
+def _ratio(cell: dict | None) -> float | None:
+    if cell is None or "floor_ratio" not in cell:
         return None
-    return cell["tpot_s"]["median"] / floor_s
+    return cell["floor_ratio"]["median"]
+
+
+def _ratio_text(cell: dict | None) -> str:
+    return "-" if _ratio(cell) is None else bu.fmt_spread(cell["floor_ratio"], 1, 2)
 
 
 def _worker_share(cell: dict | None) -> str:
@@ -190,31 +219,41 @@ def _worker_share(cell: dict | None) -> str:
 
 
 def report(res: dict) -> str:
-    info, floor_s, loads = res["info"], res["floor"]["tpot_s"], res["config"]["loads"]
+    info, loads = res["info"], res["config"]["loads"]
     by = {(m["mode"], m["load"]): m for m in res["modes"]}
     headers, rows = ["mode", "environment"], []
     for load in loads:
         headers += [f"{load} TPOT ms", "/floor"]
+    if "quiet" in loads:
+        headers.append("step/paired read")
     headers.append(f"chunks on workers ({'/'.join(loads)})")
     for mode in res["config"]["modes"]:
         row = [mode, _env_label(mode_env(mode)) or "-"]
         for load in loads:
             m = by.get((mode, load))
-            row += [_tpot(m), bu.fmt_num(_ratio(m, floor_s), 2)]
+            row += [_tpot(m), _ratio_text(m)]
+        if "quiet" in loads:
+            q = by.get((mode, "quiet")) or {}
+            row.append(bu.fmt_spread(q["paired_ratio"], 1, 2) if "paired_ratio" in q else "-")
         row.append(" / ".join(_worker_share(by.get((mode, load))) for load in loads))
         rows.append(row)
     loadavg = bu.summarize([c["loadavg_at_start"] for c in res["cells"]])
     errors = [f"  {c['mode']}/{c['load']} round {c['round']}: {c['error'][-300:]}"
               for c in res["cells"] if "error" in c]
-    rates = res["floor"]["bandwidth_gbs"]
+    rates = bu.summarize([b for c in res["cells"] for b in c.get("bandwidth_gbs", [])])
+    fl = res["floor"]
     cfg = res["config"]
     text = [
         bu.header_line(info),
-        f"floor: {res['floor']['weight_bytes'] / 1e6:.0f} MB of weights + "
-        f"{(res['floor']['step_bytes'] - res['floor']['weight_bytes']) / 1e6:.0f} MB of K/V "
-        f"(mean context) per token at "
-        f"{max(rates):.1f} GB/s read bandwidth (best of {', '.join(f'{r:.1f}' for r in rates)}) "
-        f"= {floor_s * 1e3:.1f} ms per token",
+        f"floor: {fl['weight_bytes'] / 1e6:.0f} MB of weights + "
+        f"{(fl['step_bytes'] - fl['weight_bytes']) / 1e6:.0f} MB of K/V (mean context) per "
+        f"token at the read bandwidth measured right before and after each cell (best of the "
+        f"two; over the run {bu.fmt_spread(rates)} GB/s: "
+        f"{fl['step_bytes'] / (rates['max'] * 1e6):.1f}-"
+        f"{fl['step_bytes'] / (rates['min'] * 1e6):.1f} ms per token); /floor: median "
+        f"[min-max] of the cells' ratios",
+        "step/paired read (quiet cells): each decode step's time over the time of a read of "
+        "as many bytes right before it (median of a cell's steps; median [min-max] of cells)",
         f"busy: {cfg['busy']}",
         f"1-minute load average at the start of a cell: median {loadavg['median']:.2f} "
         f"[{loadavg['min']:.2f}-{loadavg['max']:.2f}] (this run's own processes included)",
@@ -225,39 +264,47 @@ def report(res: dict) -> str:
     ]
     if errors:
         text += ["", "failed cells:", *errors]
-    text += ["", "targets (mode team):", bu.ratio_lines(res["ratios"])]
+    if res.get("served"):
+        from client import bench_decode_server
+        text += ["", bench_decode_server.report(res["served"], cfg["repeats"])]
+    text += ["", "targets (offline: mode team; served: the default config):",
+             bu.ratio_lines(res["ratios"])]
     return "\n".join(text)
 
 
 def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None:
     """The threading modes (fresh processes each) beside the bandwidth floor, into res."""
     from client import floors
-    # Read bandwidth before and after the modes (each best of 5), the best kept: the machine is
-    # shared, and a floor is what it can do at best. Round r runs the modes from the r-th on:
-    # this VM's speed drifts over minutes and differs between processes.
-    bandwidth = [floors.read_bandwidth_gbs()]
+    # a step reads every weight and its context's K/V once (the mean context of the request)
+    step_bytes = args.step_bytes = cost.decode_bytes(args.input_len + args.tokens / 2)
+    # Round r runs the modes from the r-th on: this VM's speed drifts over minutes and differs
+    # between processes. Each cell's floor: the read bandwidth (best of 5 reads of 1 GiB, this
+    # process, nothing else running) right before and after it.
     cells = []
     for r in range(args.rounds):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             for load in loads:
-                cells.append(c := run_cell(args, mode, load, r))
+                before = floors.read_bandwidth_gbs()
+                c = run_cell(args, mode, load, r)
+                c["bandwidth_gbs"] = [before, floors.read_bandwidth_gbs()]
+                if c.get("runs"):
+                    tpot = statistics.median(x["tpot_s"] for x in c["runs"])
+                    c["floor_ratio"] = cell_ratio(tpot, c["bandwidth_gbs"], step_bytes)
+                cells.append(c)
                 print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
-                      f"(load {c['loadavg_at_start']:.2f})", file=sys.stderr, flush=True)
-    bandwidth.append(floors.read_bandwidth_gbs())
-    # a step reads every weight and its context's K/V once (the mean context of the request)
-    step_bytes = cost.decode_bytes(args.input_len + args.tokens / 2)
-    floor_s = step_bytes / (max(bandwidth) * 1e9)
+                      f"(load {c['loadavg_at_start']:.2f}, read "
+                      f"{'/'.join(f'{b:.1f}' for b in c['bandwidth_gbs'])} GB/s)",
+                      file=sys.stderr, flush=True)
     res["cells"] = cells
     res["modes"] = [{"mode": m, "load": load, "env": mode_env(m),
                      **summarize_cells([c for c in cells if (c["mode"], c["load"]) == (m, load)])}
                     for m in modes for load in loads]
-    res["floor"] = {"bandwidth_gbs": bandwidth, "weight_bytes": cost.weight_bytes,
-                    "step_bytes": step_bytes,
-                    "tpot_s": floor_s, "cost": floors.cost_dict(cost)}
+    res["floor"] = {"weight_bytes": cost.weight_bytes, "step_bytes": step_bytes,
+                    "cost": floors.cost_dict(cost)}
     by = {(m["mode"], m["load"]): m for m in res["modes"]}
-    res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load)),
-                                                                     floor_s), target, False)
-                     for load, target in (("quiet", 1.2), ("busy", 1.6)) if load in loads]
+    res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load))),
+                                  target, False)
+                     for load, target in TARGETS if load in loads]
 
 
 def run_part2(args) -> dict:
@@ -305,6 +352,14 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--parts: 1 and/or 2, not {args.parts!r}")
     if "1" in parts:
         run_part1(args, modes, loads, cost, res)
+        if args.server:
+            from client import bench_decode_server
+            res["served"] = bench_decode_server.run(args, loads, res["floor"]["step_bytes"],
+                                                    model_dir)
+            res["ratios"] += [bu.ratio_row(f"{load} TPOT served default/floor",
+                                           res["served"]["loads"][load]["floor_ratio"]["median"],
+                                           target, False)
+                              for load, target in TARGETS if load in loads]
     res["part2"] = run_part2(args) if "2" in parts else None
 
     text = "\n\n".join(

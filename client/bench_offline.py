@@ -113,15 +113,27 @@ def _ratios(res: dict) -> list[dict]:
     # ratios only against what ran in this invocation (a constant from another machine, e.g.
     # a published vLLM-CPU figure, is not a measurement here)
     a, b, hf, fl = res["ours"]["a"], res["ours"]["b"], res.get("hf"), res["floor"]
+    paired = res["ours"].get("a_paired")
     med = lambda r, k: r[k]["median"]  # noqa: E731
     return [
         bu.ratio_row("(a) e2e ours/HF", med(a, "e2e_s") / med(hf["a"], "e2e_s") if hf else None,
                      0.7, False),
         bu.ratio_row("(a) TTFT ours/floor", med(a, "ttft_s") / fl["a"]["ttft_s"], 1.5, False),
         bu.ratio_row("(a) TPOT ours/floor", med(a, "tpot_s") / fl["a"]["tpot_s"], 1.3, False),
+        bu.ratio_row("(a) decode step / paired read", paired["ratio"]["median"] if paired
+                     else None, 1.3, False),
         bu.ratio_row("(b) output tok/s ours/HF",
                      b["output_tok_s"] / hf["b"]["output_tok_s"] if hf else None, 2.5, True),
     ]
+
+
+def _paired_line(paired: dict | None) -> str:
+    if not paired:
+        return "paired reads: - (no C++ kernels)"
+    r, g = paired["ratio"], paired["read_gbs"]
+    return (f"(a)'s decode steps, each right after a read of as many bytes (this VM's bandwidth "
+            f"swings between consecutive reads; best-of-5 above is the top of it): step / read "
+            f"{bu.fmt_spread(r, 1, 2)} over {r['n']} steps, reads at {bu.fmt_spread(g)} GB/s")
 
 
 def report(res: dict) -> str:
@@ -147,6 +159,7 @@ def report(res: dict) -> str:
         f"floors: GEMM {rates['matmul_shape']} {rates['matmul_gflops']:.1f} GFLOP/s, "
         f"read bandwidth {rates['read_bandwidth_gbs']:.1f} GB/s; a decode step reads "
         f"{fa['decode_bytes_per_token'] / 1e6:.0f} MB at batch 1 (weights + mean context's K/V)",
+        _paired_line(res["ours"].get("a_paired")),
         "",
         bu.table(f"(a) concurrency 1, {in_a} in / {out_a} out, {res['repeats']} repeats "
                  "(median [min-max])", ["", "TTFT ms", "TPOT ms", "e2e ms"], rows_a),
@@ -183,6 +196,9 @@ def main(args: argparse.Namespace) -> int:
     pad_id = pad_id if pad_id is not None else (cfg.eos_token_ids or (0,))[0]
     res["ours"] = {"a": ours_single(llm, prompts_a, out_a), "b": ours_batch(llm, prompts_b, out_b),
                    "engine_config": vars(llm.config), "engine_stats_total": llm.stats}
+    # (a)'s decode steps again, each beside a read of its bytes right before it (floors.py)
+    res["ours"]["a_paired"] = floors.paired_steps(llm, prompts_a[0], out_a,
+                                                  cost.decode_bytes(in_a + out_a / 2))
     del llm
     gc.collect()  # free our weights and KV pool before transformers loads its copy
     rate_runs.append(floors.measure(cfg, dtype, in_a))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
+from client import benchutil as bu
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,42 @@ def batch_floor(cost: ModelCost, rates: dict, n: int, input_len: int, output_len
 def cost_dict(cost: ModelCost) -> dict:
     return asdict(cost) | {"weight_bytes": cost.weight_bytes,
                            "kv_bytes_per_token": cost.kv_bytes_per_token}
+
+
+def paired_steps(llm, prompt: list[int], tokens: int, step_bytes: float) -> dict | None:
+    """Each decode step of one request (`tokens` out of `prompt`, greedy) right after a read of
+    as many bytes as the step reads (the kernels' read probe, the same threads): the step's time
+    over the time that read took; None without the C++ kernels.
+    This VM's read bandwidth swings from ~18 to ~43 GB/s between consecutive 1 GiB reads, so a
+    best-of-5 floor is the top of that spread while a step sees whatever it gets; a read right
+    next to each step sees what the step sees."""
+    from backend import SamplingParams
+    from kernels import cpu_ext
+    ext = cpu_ext.load()
+    if ext is None:  # no kernels, no probe
+        return None
+    engine = llm.engine
+    buf = torch.ones(int(step_bytes) // 64 * 16, dtype=torch.float32)  # pages mapped, not zero
+    ext.read_probe(buf)
+    nbytes = buf.numel() * buf.element_size()
+    engine.add_request("paired", prompt, SamplingParams(temperature=0, max_tokens=tokens,
+                                                        ignore_eos=True))
+    ratios, steps, reads = [], [], []
+    produced = 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        ext.read_probe(buf)
+        t1 = time.perf_counter()
+        outs = engine.step()
+        t2 = time.perf_counter()
+        was_decode = produced > 0  # the prompt's steps (the last one samples token 1) are not
+        produced += sum(len(o.token_ids) for o in outs)
+        if not was_decode:
+            continue
+        ratios.append((t2 - t1) / (t1 - t0))
+        steps.append(t2 - t1)
+        reads.append(nbytes / (t1 - t0) / 1e9)
+    del buf
+    gc.collect()
+    return {"ratio": bu.summarize(ratios), "step_s": bu.summarize(steps),
+            "read_gbs": bu.summarize(reads), "probe_bytes": nbytes}

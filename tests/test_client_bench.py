@@ -37,7 +37,14 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     names = [r["name"] for r in data["ratios"]]
     # no ratio against a constant measured on another machine (the old ours/vLLM-CPU line)
     assert names == ["(a) e2e ours/HF", "(a) TTFT ours/floor", "(a) TPOT ours/floor",
-                     "(b) output tok/s ours/HF"], names
+                     "(a) decode step / paired read", "(b) output tok/s ours/HF"], names
+    # (a)'s decode steps paired with reads of their bytes: one ratio per decode step
+    paired = data["ours"]["a_paired"]
+    out_a = data["sizes"]["a"][1]
+    assert paired["ratio"]["n"] == out_a - 1 and paired["ratio"]["median"] > 0
+    assert paired["probe_bytes"] == pytest.approx(data["floor"]["a"]["decode_bytes_per_token"],
+                                                  rel=1e-3)
+    assert "step / read" in proc.stdout
     assert all(r["verdict"] in ("PASS", "MISS", "n/a") for r in data["ratios"])
     assert "(a) concurrency 1" in proc.stdout and "(b) 8 requests" in proc.stdout
     # the decode floor counts the K/V a step reads beside the weights (the mean context's)
@@ -89,7 +96,19 @@ def test_bench_decode_smoke(tmp_path: Path) -> None:
     omp = cells["omp-passive", "busy"]
     assert omp["threading"] == "omp" and omp["team"]["jobs"] == 0
     assert omp["environment"] == {"TPLLM_THREADING": "omp", "OMP_WAIT_POLICY": "PASSIVE"}
-    assert data["floor"]["tpot_s"] > 0 and all(b > 0 for b in data["floor"]["bandwidth_gbs"])
+    # every cell has its own floor: the bandwidth right before and after it
+    for c in data["cells"]:
+        assert len(c["bandwidth_gbs"]) == 2 and all(b > 0 for b in c["bandwidth_gbs"]), c
+        floor_s = data["floor"]["step_bytes"] / (max(c["bandwidth_gbs"]) * 1e9)
+        assert c["floor_ratio"] == pytest.approx(c["runs"][0]["tpot_s"] / floor_s)
+    for m in data["modes"]:
+        assert m["floor_ratio"]["n"] == 1 and m["floor_ratio"]["median"] > 0
+    # quiet cells also pair every decode step with a read of as many bytes right before it
+    for mode in ("team", "omp-passive"):
+        paired = cells[mode, "quiet"]["paired"]
+        assert paired["ratio"]["n"] == 2 and paired["ratio"]["median"] > 0  # 3 tokens: 2 steps
+        assert paired["probe_bytes"] == pytest.approx(data["floor"]["step_bytes"], rel=1e-3)
+        assert "paired" not in cells[mode, "busy"]
     assert [r["name"] for r in data["ratios"]] == ["quiet TPOT team/floor",
                                                    "busy TPOT team/floor"]
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")

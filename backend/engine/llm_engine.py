@@ -7,7 +7,6 @@ import os
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
-from dataclasses import dataclass
 
 import torch
 
@@ -15,12 +14,13 @@ from backend.engine.buckets import BucketPlan
 from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from backend.engine.guided import GuidedMasker, GuidedState
+from backend.engine.guided import GuidedMasker
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.logprobs import decode_tokens
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
+from backend.engine.request_check import PreparedRequest, prepare_request
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
@@ -36,15 +36,6 @@ from backend.parallel.context import ParallelContext
 
 log = logging.getLogger("backend.engine")
 _NO_TEXT = DetokenizerUpdate("", False, None)
-
-
-@dataclass
-class PreparedRequest:
-    """A validated, tokenized request, ready to enter the engine thread."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    guided: GuidedState | None = None  # its grammar compiles from prepare_request on
 
 
 class LLMEngine:
@@ -195,41 +186,9 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int],
                         params: SamplingParams | None = None) -> PreparedRequest:
         """Validate and tokenize; raises ValueError naming the field. Safe off the engine thread."""
-        params = params or SamplingParams()
-        params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("text_input: the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("text_input: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError("text_input: must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("text_input: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"text_input: token ids must be in [0, {vocab})")
-        n, limit = len(ids), self.max_model_len
-        if n >= limit:
-            raise ValueError(f"text_input: the prompt is {n} tokens; the context holds {limit} "
-                             "(prompt + at least one generated token)")
-        if n + params.max_tokens > limit:
-            raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length {limit}; use max_tokens <= {limit - n}")
-        if self.kv.blocks_for(n + params.max_tokens) > self.kv.num_blocks:
-            raise ValueError(f"max_tokens: prompt + max_tokens ({n + params.max_tokens} tokens) "
-                             f"exceeds the KV cache ({self.kv.num_blocks * self.kv.block_size} tokens)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
-        spec = params.guided
-        if spec is not None and self.guided is None:
-            raise ValueError(f"{spec.field}: structured output needs a tokenizer; this model has none")
-        return PreparedRequest(request_id, ids, params,
-                               self.guided.state_for(spec) if spec is not None else None)
+        return prepare_request(request_id, prompt, params, self.tokenizer,
+                               self.model_config.vocab_size, self.max_model_len, self.kv,
+                               self.guided)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> None:
