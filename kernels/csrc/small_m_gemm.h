@@ -91,8 +91,40 @@ struct FmaTile {
 #endif
 };
 
+// Software prefetch of the weight rows ahead of the ones being multiplied, into L2, for 3 and
+// more input rows. A weight row of one or two inputs takes few instructions, the out-of-order
+// window runs far enough ahead for the hardware prefetchers, and prefetching cost up to 5% there.
+// With more inputs a row takes proportionally more instructions, the window covers less of the
+// stream, and the loads wait on DRAM: the multiply and the memory reads no longer overlap.
+// SmolLM2's decode GEMVs + lm_head (cpu_ops.linear, 2 threads, AMD EPYC Zen 4, interleaved in
+// one process), without -> with: 3 inputs 25.4 -> 18.3 ms (1 input: 17.7), 4: 27.7 -> 19.3,
+// 5: 29.0 -> 21.0, 6: 37.4 -> 22.9, 8 (tiles): 40.9 -> 36.3, 16: 54.5 -> 48.6. Two and three
+// float32 rows of K = 576 ahead measured alike; a span's own size ahead was no better.
+constexpr int64_t kPrefetchAhead = 4608;  // bytes
+constexpr int64_t kPrefetchMinInputs = 3;
+
+inline void prefetch_l2(const void* from, int64_t bytes) {
+  const char* p = static_cast<const char*>(from);
+#if defined(__x86_64__) || defined(__i386__)
+  // inline assembly: GCC 12 deleted _mm_prefetch / __builtin_prefetch here as dead code (the
+  // built module had no prefetch instruction at all); asm volatile it keeps
+  for (int64_t i = 0; i < bytes; i += 64) asm volatile("prefetcht1 %0" : : "m"(*(p + i)));
+#else
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+#endif
+}
+
 template <class Tile, typename W, typename X>
 void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+  const bool ahead = M >= kPrefetchMinInputs;
+  const char* w_end = reinterpret_cast<const char*>(w + N * K);
+  // rows [n, n + rows) are next: fetch the same span kPrefetchAhead bytes further on (within w)
+  auto prefetch = [&](int64_t n, int64_t rows) {
+    if (!ahead) return;
+    const char* p = reinterpret_cast<const char*>(w + n * K) + kPrefetchAhead;
+    if (p < w_end) prefetch_l2(p, std::min<int64_t>(rows * row_bytes, w_end - p));
+  };
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain_rows = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W))));
@@ -109,7 +141,10 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   constexpr int64_t kRowByRowInputs = Tile::kInputs > 1 ? 6 : Tile::kInputs;
   if (M <= kRowByRowInputs) {
     team::parallel_for(0, N, grain_rows, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) rows_by_inputs<Tile, 1>(w + n * K, x, M, K, y + n, N);
+      for (int64_t n = n0; n < n1; ++n) {
+        prefetch(n, 1);
+        rows_by_inputs<Tile, 1>(w + n * K, x, M, K, y + n, N);
+      }
     });
     return;
   }
@@ -117,6 +152,7 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   team::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / 4), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * 4;
+      prefetch(n, 4);
       if (n + 4 <= N) {
         rows_by_inputs<Tile, 4>(w + n * K, x, M, K, y + n, N);
       } else {
