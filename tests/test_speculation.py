@@ -63,6 +63,32 @@ def test_propose_limits_and_adaptive_k():
     assert greedy.draft_token_ids == [5]
 
 
+def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
+    spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
+    seq = _running(list(range(10)) + [8, 3, 4])  # [8, 3, 4] is new, [3, 4] occurred before
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [5, 6, 7, 8]
+    single = _running([1, 2, 3, 9, 9, 7, 1])  # only the last token occurred before
+    spec.propose([single], waiting=0, max_num_seqs=8)
+    assert single.draft_token_ids == [2, 3, 9, 9]
+    fresh = _running([1, 2, 3])
+    spec.propose([fresh], waiting=0, max_num_seqs=8)
+    assert fresh.draft_token_ids == []  # no suffix occurred before, not even one token
+    # two misses: paused; while paused the first token a draft would have had is remembered
+    for _ in range(2):
+        seq.draft_token_ids = [5, 6]
+        assert spec.accept(seq, [0, 0, 0]) == 0
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [] and seq.spec.shadow == 5
+    spec.observe(seq, 0)  # the model decoded something else: still paused
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [] and seq.spec.pause == 2
+    spec.observe(seq, 5)  # it decoded what the draft would have started with: drafting again
+    assert seq.spec.pause == 0 and seq.spec.misses == 0
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [5]  # k after the misses: one past the accepted count
+
+
 def _ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(n)]

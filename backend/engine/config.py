@@ -31,7 +31,8 @@ class EngineConfig:
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
     enable_prefix_caching: bool = True
     # speculative decoding by prompt lookup (speculation.py): draft tokens per step at most
-    # (0 = off), and the n-gram length matched against the sequence's own context
+    # (0 = off), and the longest n-gram matched against the sequence's own context (shorter
+    # ones, down to one token, when it never occurred before)
     speculative_ngram: int = 0
     speculative_ngram_match: int = 3
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)

@@ -346,6 +346,8 @@ class LLMEngine:
         """Append what seq sampled in rows [row, row + n): its token, or (verifying n - 1
         drafts) the drafts the model agrees with plus the model's next token, as one update."""
         accepted = 0
+        if n == 1 and seq.spec is not None:
+            self.speculator.observe(seq, sampled.token_ids[row])
         if n > 1:
             accepted = self.speculator.accept(seq, sampled.token_ids[row:row + n])
             self.stats.spec_draft_tokens += n - 1

@@ -18,9 +18,12 @@ per draft; both simply decode one token a step. Penalties, min_tokens, stop stri
 logprobs work unchanged: each row is sampled as a view of the sequence with the drafts before it
 appended.
 
-Adaptive: a sequence's k grows by one after a fully accepted draft and falls to one past its
-accepted count otherwise; after consecutive drafts with nothing accepted it stops proposing for
-a doubling number of steps (a no-overlap workload then runs plain decode steps). Drafts are only
+The draft continues the longest suffix of the context (up to `match` tokens, down to one) that
+occurred earlier in it. Adaptive: a sequence's k grows by one after a fully accepted draft and
+falls to one past its accepted count otherwise; after consecutive drafts with nothing accepted
+it stops proposing for a doubling number of steps (a no-overlap workload then runs plain decode
+steps), and it resumes as soon as the token it would have drafted first is the one the model
+decodes (checked for free: nothing is verified while paused). Drafts are only
 proposed while every running sequence is decoding and nothing waits for admission (prompts go
 first, and a verify step stays a decode-only step: the fused decode kernels), and only while the
 step's rows stay within `max_rows` (on CPU 8: a step stays bound by reading the weights; big
@@ -44,10 +47,19 @@ CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carr
 @dataclass
 class SpecState:
     """One sequence's drafting state."""
-    index: NgramIndex
+    indices: list[NgramIndex]  # the longest n-gram first, down to single tokens
     k: int  # draft tokens to propose next time
     misses: int = 0  # consecutive verifications that accepted nothing
     pause: int = 0  # steps left without proposing
+    shadow: int | None = None  # while paused: the token a draft would have started with
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """What followed the most recent earlier occurrence of the longest suffix of token_ids
+        (speculative_ngram_match tokens, then fewer, down to one) that occurred before."""
+        for index in self.indices:
+            if draft := index.propose(token_ids, k):
+                return draft
+        return []
 
 
 @dataclass
@@ -86,14 +98,27 @@ class NgramSpeculator:
                 continue
             st = seq.spec
             if st is None:
-                st = seq.spec = SpecState(NgramIndex(self.match), self.max_draft)
+                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)],
+                                          self.max_draft)
             if st.pause > 0:
                 st.pause -= 1
+                shadow = st.propose(seq.token_ids, 1)
+                st.shadow = shadow[0] if shadow else None
                 continue
             left = seq.params.max_tokens - seq.num_output_tokens - 1  # the bonus token is extra
-            draft = st.index.propose(seq.token_ids, min(st.k, room, left))
+            draft = st.propose(seq.token_ids, min(st.k, room, left))
             seq.draft_token_ids = draft
             room -= len(draft)
+
+    @staticmethod
+    def observe(seq: Sequence, token: int) -> None:
+        """A paused sequence decoded `token` without drafts: if its draft would have started
+        with it, drafting pays again, so the pause ends (costs nothing: no row was verified)."""
+        st = seq.spec
+        if st is not None and st.shadow is not None:
+            if st.shadow == token:
+                st.pause = st.misses = 0
+            st.shadow = None
 
     def verify_rows(self, seq: Sequence) -> list[DraftRow]:
         """The sampler rows of a verified sequence: the sequence itself, then one per draft."""
