@@ -128,17 +128,18 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain_rows = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W))));
-  // Up to 6 inputs on AVX-512 (1 on AVX2): one weight row at a time, in memory order, so the
+  // Up to 8 inputs on AVX-512 (1 on AVX2): one weight row at a time, in memory order, so the
   // weights stream as one sequential read per thread chunk (a second group of inputs reads the
   // row again from L1). 4-row tiles read 4 interleaved streams, which the hardware prefetchers
   // followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2 threads, AMD EPYC Zen 4)
   // took 21.5 ms in tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6 GB/s, interleaved runs
-  // of a standalone copy). The same GEMVs + lm_head through cpu_ops.linear, against 4 inputs in
-  // the same run: 5 inputs (a speculative verify step, 1 + 4 drafts) in tiles 1.34x, row by row
-  // 1.0-1.25x; 6: 1.34x against 1.1x; 8: tiles 1.41x, row by row 1.44-1.65x. More inputs: 4-row
-  // tiles, where each input vector loaded serves 4 rows. Each y[m, n] is summed the same way in
-  // both (its own accumulator, k in order): M changes no row's result.
-  constexpr int64_t kRowByRowInputs = Tile::kInputs > 1 ? 6 : Tile::kInputs;
+  // of a standalone copy). With the prefetch above, the same GEMVs + lm_head through
+  // cpu_ops.linear, 7 and 8 inputs row by row: 24.3 / 25.1 ms, against 18.2 for 1 input and
+  // 23.3 for 6 in the same run; in 4-row tiles, another run: 32.3 / 33.4, against 13.2 for 1
+  // input and 22.6 for 6. 9 inputs (tiles): 36.0-36.9.
+  // More inputs: 4-row tiles, where each input vector loaded serves 4 rows. Each y[m, n] is
+  // summed the same way in both (its own accumulator, k in order): M changes no row's result.
+  constexpr int64_t kRowByRowInputs = Tile::kInputs > 1 ? 8 : Tile::kInputs;
   if (M <= kRowByRowInputs) {
     team::parallel_for(0, N, grain_rows, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
