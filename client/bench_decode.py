@@ -94,12 +94,13 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_cell(args, mode: str, load: str, round_: int) -> dict:
-    """One mode under one load, in a fresh process; its measurements (or why there are none)."""
+def run_cell(args, mode: str, load: str, round_: int, step_bytes: float) -> dict:
+    """One mode under one load, in a fresh process; its measurements (or why there are none).
+    step_bytes: what a decode step reads (the size of a quiet cell's paired reads)."""
     spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
             "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
             "seed": args.seed, "give_up_ms": args.give_up_ms, "paired": load == "quiet",
-            "step_bytes": args.step_bytes}
+            "step_bytes": step_bytes}
     busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
     cell = {"mode": mode, "load": load, "round": round_, "env": mode_env(mode)}
     with tempfile.TemporaryDirectory() as d:
@@ -181,7 +182,7 @@ def child_main(spec_path: str, out_path: str) -> int:
         out["runs"] = [{"tpot_s": tpot(spec["tokens"])} for _ in range(spec["repeats"])]
         after = ext.team_stats() if ext is not None else {}
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
-        if spec["paired"] and ext is not None:
+        if spec["paired"]:  # None without the kernels (no probe)
             from client import floors
             out["paired"] = floors.paired_steps(llm, prompt, spec["tokens"], spec["step_bytes"])
     Path(out_path).write_text(json.dumps(out))
@@ -276,7 +277,7 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
     """The threading modes (fresh processes each) beside the bandwidth floor, into res."""
     from client import floors
     # a step reads every weight and its context's K/V once (the mean context of the request)
-    step_bytes = args.step_bytes = cost.decode_bytes(args.input_len + args.tokens / 2)
+    step_bytes = cost.mean_decode_bytes(args.input_len, args.tokens)
     # Round r runs the modes from the r-th on: this VM's speed drifts over minutes and differs
     # between processes. Each cell's floor: the read bandwidth (best of 5 reads of 1 GiB, this
     # process, nothing else running) right before and after it.
@@ -285,7 +286,7 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             for load in loads:
                 before = floors.read_bandwidth_gbs()
-                c = run_cell(args, mode, load, r)
+                c = run_cell(args, mode, load, r, step_bytes)
                 c["bandwidth_gbs"] = [before, floors.read_bandwidth_gbs()]
                 if c.get("runs"):
                     tpot = statistics.median(x["tpot_s"] for x in c["runs"])

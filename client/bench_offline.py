@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
                    "engine_config": vars(llm.config), "engine_stats_total": llm.stats}
     # (a)'s decode steps again, each beside a read of its bytes right before it (floors.py)
     res["ours"]["a_paired"] = floors.paired_steps(llm, prompts_a[0], out_a,
-                                                  cost.decode_bytes(in_a + out_a / 2))
+                                                  cost.mean_decode_bytes(in_a, out_a))
     del llm
     gc.collect()  # free our weights and KV pool before transformers loads its copy
     rate_runs.append(floors.measure(cfg, dtype, in_a))

@@ -65,6 +65,11 @@ class ModelCost:
         the weights once, every row's K/V."""
         return self.weight_bytes + sequences * self.kv_bytes_per_token * context
 
+    def mean_decode_bytes(self, input_len: int, output_len: int) -> float:
+        """A batch-1 decode step's bytes at the mean context of an input_len / output_len
+        request: the floor's bytes per output token."""
+        return self.decode_bytes(input_len + output_len / 2)
+
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> float:
     """Best-of-`runs` GFLOP/s of x[m,k] @ w[n,k]^T, the way the engine's linears call it."""
@@ -116,7 +121,7 @@ def single_floor(cost: ModelCost, rates: dict, input_len: int, output_len: int) 
     at the mean context (weights + K/V) / bandwidth."""
     prefill_flops = cost.forward_flops(input_len, 0, 1)
     ttft = prefill_flops / (rates["matmul_gflops"] * 1e9)
-    step_bytes = cost.decode_bytes(input_len + output_len / 2)
+    step_bytes = cost.mean_decode_bytes(input_len, output_len)
     tpot = step_bytes / (rates["read_bandwidth_gbs"] * 1e9)
     return {"prefill_flops": prefill_flops, "decode_bytes_per_token": step_bytes,
             "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + (output_len - 1) * tpot}
