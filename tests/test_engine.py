@@ -195,7 +195,9 @@ def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch
     if not cpu_ops._mkl_packing():
         pytest.skip("torch without MKL's packed GEMM")
     rows = cpu_ops.SMALL_M + 8
-    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8, max_num_seqs=rows)
+    # all admitted in one step (no grouping), so all decode together: a full batch
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8, max_num_seqs=rows,
+              step_overhead_tokens=0)
     prompts = [f"Item {i}: the {'quick ' * (i % 5)}brown fox" for i in range(rows)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
     with LLM(cpu_packed_gemm=False, **kw) as plain:

@@ -58,6 +58,32 @@ def test_max_num_seqs_and_fcfs_admission():
     assert [r for r, _ in _run_step(sched)] == ["1", "2"]
 
 
+def test_waiting_requests_are_admitted_in_groups_that_minimize_time_to_first_token():
+    """n requests waiting, t tokens each, a step overhead of F tokens: a step admits new ones
+    until it holds sqrt(n F t) prompt tokens, at least one; none overtakes an older one."""
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=2048, step_overhead_tokens=16)
+    for i in range(8):
+        sched.add(_seq(i, 36))
+    assert _run_step(sched) == [("0", 36), ("1", 36)]  # sqrt(8 * 16 * 36) = 68 tokens
+    assert _run_step(sched) == [("0", 1), ("1", 1), ("2", 36), ("3", 36)]  # sqrt(6*16*36) = 59
+    assert _run_step(sched)[4:] == [("4", 36), ("5", 36)]  # 48: the second starts below it
+    assert _run_step(sched)[6:] == [("6", 36)]  # 34: one
+    assert _run_step(sched)[7:] == [("7", 36)]
+    # without the overhead (CUDA's default) they all join the first step, as the budget allows
+    sched = Scheduler(KVCacheManager(num_blocks=256, block_size=4), 16, 2048)
+    for i in range(8):
+        sched.add(_seq(i, 36))
+    assert len(_run_step(sched)) == 8
+    # long prompts go one a step: each alone is past sqrt(4 * 16 * 256) = 128
+    sched = Scheduler(KVCacheManager(num_blocks=1024, block_size=4), 16, 2048,
+                      step_overhead_tokens=16)
+    for i in range(4):
+        sched.add(_seq(i, 256))
+    assert _run_step(sched) == [("0", 256)]
+    assert _run_step(sched) == [("0", 1), ("1", 256)]
+
+
 def test_preemption_frees_youngest_and_recomputes():
     kv = KVCacheManager(num_blocks=4, block_size=4)  # 16 tokens in all
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)

@@ -51,6 +51,21 @@ def test_scheduler_pads_a_last_chunk_it_would_cut_more_of():
     assert [n for _, n in sched.schedule().scheduled] == [512]
 
 
+def test_scheduler_pads_a_short_last_chunk_rather_than_run_a_step_for_its_rest():
+    """36 tokens: 12 of padding to the 48 bucket cost less than a step of its own for the 4 a
+    trim to 32 would leave (an 8-token step costs ~16 tokens of compute on a CPU); without a
+    step overhead (CUDA's default) the old rule trims (pads only when it would cut more)."""
+    plan = BucketPlan.build(8, 512)
+    for overhead, expected in ((16, [36]), (0, [32])):
+        sched = Scheduler(KVCacheManager(256, 4), 8, 512, plan, step_overhead_tokens=overhead)
+        sched.add(Sequence("a", list(range(36)), 36, SamplingParams(), 0))
+        assert [n for _, n in sched.schedule().scheduled] == expected
+    # more padding than the overhead: 70 tokens trim to 64 (pad to 96 would waste 26)
+    sched = Scheduler(KVCacheManager(256, 4), 8, 512, plan, step_overhead_tokens=16)
+    sched.add(Sequence("b", list(range(70)), 70, SamplingParams(), 0))
+    assert [n for _, n in sched.schedule().scheduled] == [64]
+
+
 def _varied_workload(llm: LLM, seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(4):

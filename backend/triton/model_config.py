@@ -18,6 +18,7 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "kv_cache_memory_gb": (float, "kv_cache_memory_gb"),
     "max_num_seqs": (int, "max_num_seqs"),
     "max_num_batched_tokens": (int, "max_num_batched_tokens"),
+    "step_overhead_tokens": (int, "step_overhead_tokens"),
     "max_model_len": (int, "max_model_len"),
     "seed": (int, "seed"),
     "warmup": (bool, "warmup"),
