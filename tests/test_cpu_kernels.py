@@ -66,6 +66,37 @@ def test_paged_decode_attention_split_contexts(splits, hq, hkv, d, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (5, 2, 64), (4, 2, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_verify_rows_read_the_context_once(hq, hkv, d, dtype):
+    """Rows of one sequence verifying drafts (one block table, lengths one apart) attend as one
+    task; each row's output is the same bits as computed alone, and matches the reference. The
+    batch mixes runs of 1, 5 (its last rows crossing a block and a split boundary) and 9 rows
+    (more than a run takes), and two sequences with equal tables but lengths not one apart."""
+    g = torch.Generator().manual_seed(hq * 10 + d)
+    nb, bs = 200, 16
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    perm = torch.randperm(nb, generator=g)
+    width = 40
+    seqs = [(perm[:width], [300]), (perm[width:2 * width], list(range(254, 259))),
+            (perm[2 * width:3 * width], list(range(600, 609))),
+            (perm[3 * width:4 * width], [100, 140])]
+    tables = torch.stack([t for t, ls in seqs for _ in ls])
+    lens = torch.tensor([n for _, ls in seqs for n in ls])
+    q = (torch.randn(len(lens), hq, d, generator=g) * 3).to(dtype)
+    kv_index = None
+    if hq % hkv:
+        kv_index = torch.tensor([min(h * hkv // hq, hkv - 1) for h in range(hq)])
+    batch = DecodeBatch(tables, lens, int(lens.max()), bs)
+    got = cpu_ops.decode_attention(q, kc, vc, batch, 0.125, kv_index)
+    torch.testing.assert_close(got, ref.decode_attention(q, kc, vc, batch, 0.125, kv_index),
+                               **TOL[dtype])
+    for i in range(len(lens)):
+        one = DecodeBatch(tables[i:i + 1], lens[i:i + 1], int(lens[i]), bs)
+        alone = cpu_ops.decode_attention(q[i:i + 1], kc, vc, one, 0.125, kv_index)
+        assert torch.equal(got[i:i + 1], alone), i
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False)])
 def test_small_m_linear(m, k, n, bias):

@@ -89,13 +89,17 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 // accumulators; with 64 sequences x 320 tokens the attention streamed KV at 19.5 GB/s where a
 // plain read of the same bytes reaches 26.7 (AVX-512 host). One softmax per head per task
 // leaves the FMAs. scores: scratch, resized here to Hq x (tokens rounded up to 16).
+// head_len (nullable): head h sees only the first head_len[h] <= L tokens. The rows of one
+// sequence verifying drafts come as one task this way, each row's heads as heads of their own
+// with the row's length: every K/V block is read once for all rows, and a row's result is
+// bit-identical to its own task's (the tokens past its length get probability exactly 0).
 template <typename T>
 inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const int64_t* table,
                               int64_t L, int64_t blk_begin, int64_t blk_end, int64_t BS,
                               int64_t Hkv, int64_t Hq, int64_t block_stride,
                               const int64_t* heads_by_kv, const int64_t* group_start,
                               float scale, float* acc, float* mx, float* den,
-                              std::vector<float>& scores) {
+                              std::vector<float>& scores, const int64_t* head_len = nullptr) {
   const int64_t row = Hkv * 64, t0 = blk_begin * BS;
   const int64_t T_ = std::max<int64_t>(0, std::min(L, blk_end * BS) - t0);
   const int64_t Tp = (T_ + 15) / 16 * 16;
@@ -132,7 +136,8 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
   }
   // one softmax per head over the task's T scores (unnormalised probabilities in place)
   for (int64_t h = 0; h < Hq; ++h) {
-    const SoftmaxRow r = softmax_row(sc + h * Tp, T_, Tp);
+    const int64_t limit = head_len ? std::clamp<int64_t>(head_len[h] - t0, 0, T_) : T_;
+    const SoftmaxRow r = softmax_row(sc + h * Tp, limit, Tp);
     mx[h] = r.max, den[h] = r.sum;
   }
   // pass 2: acc += p * V, up to 4 heads of a KV head at a time in registers (AVX2: one, its 8
