@@ -85,8 +85,10 @@ def test_static_decode_path_matches_normal_path(tiny_llama, kernels, monkeypatch
                for n in torch.randint(1, 40, (num,), generator=gen)]
     lengths = [3 + i % 5 if kernels == "triton" else 4 + i % 9 for i in range(num)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    # scheduled as on CUDA (no admission groups: step_overhead_tokens 0 there), so that every
+    # sequence decodes at once at some step
     kw = dict(model=str(tiny_llama), num_kv_blocks=256, block_size=4, max_num_seqs=24,
-              max_num_batched_tokens=256, max_model_len=96, warmup=False)
+              max_num_batched_tokens=256, max_model_len=96, warmup=False, step_overhead_tokens=0)
     with LLM(**kw) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
         alone = llm.generate(prompts[0], params[0])[0].token_ids
