@@ -301,10 +301,10 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   // block table, lengths one apart) attend in one task per split, each row's heads as heads of
   // their own (attend_blocks_d64's head_len), so a KV block is read once for all of them, not
   // once per row. SmolLM2's 30 layers (9/3 heads), 2 threads, AMD EPYC Zen 4, interleaved runs:
-  // 2048-token context, 5 rows 14.1-14.6 ms vs 19.3-28.9 per row, 8 rows 17.8-18.2 vs 24.0-46.1;
-  // 1024: 5 rows 7.4-7.8 vs 9.2-21.2; at ~500 tokens (a layer's K/V fits L2) no change. Only
-  // with fixed splits (a row's splits then do not depend on its run) and the head_dim 64
-  // kernel; a row's result is the same bits as alone.
+  // 2048-token context, 5 rows 14.1-14.6 ms vs 19.3-28.9 as a task per row, 8 rows 17.8-18.2 vs
+  // 24.0-46.1; 1024: 5 rows 7.4-7.8 vs 9.2-21.2; at ~500 tokens (a layer's K/V fits L2) no
+  // change. Only with fixed splits (a row's splits then do not depend on its run) and the
+  // head_dim 64 kernel; a row's result is the same bits as alone.
   bool runs_ok = num_splits <= 0 && D == 64;
 #if !defined(TPLLM_SIMD16)
   runs_ok = false;
