@@ -61,15 +61,13 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        for name, low in (("speculative_ngram", 0), ("speculative_ngram_match", 1)):
+        for name, low in (("speculative_ngram", 0), ("speculative_ngram_match", 1),
+                          ("step_overhead_tokens", 0)):
             v = getattr(self, name)
+            if v is None and name == "step_overhead_tokens":  # None: the device's default
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {v!r}")
-        if self.step_overhead_tokens is not None and (
-                not isinstance(self.step_overhead_tokens, int)
-                or isinstance(self.step_overhead_tokens, bool) or self.step_overhead_tokens < 0):
-            raise ValueError("step_overhead_tokens: must be an integer >= 0, got "
-                             f"{self.step_overhead_tokens!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads: must be an integer >= 1, got {self.num_threads!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
