@@ -421,6 +421,24 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
   });
 }
 
+// silu(x) = x / (1 + exp(-x)) of one row into s[0, n), the exponential as exp_any's (exp of
+// -|x|, inverted for x < 0). SIMD builds: 16 lanes at a time with the vector polynomial (GCC
+// did not vectorize the scalar loop for AVX2: 1024 x 1536 took 8.0 ms there, torch's silu *
+// up 1.4 ms; AMD EPYC Zen 3, 2 threads), then the tail in scalar code.
+inline void silu_row(const float* x, float* s, int64_t n) {
+  int64_t i = 0;
+#if defined(TPLLM_SIMD16)
+  using namespace simd;
+  const F16 one = set1(1.f), zero = set1(0.f);
+  for (; i + 16 <= n; i += 16) {
+    const F16 v = load(x + i);
+    const F16 en = exp_nonpositive(zero - max(v, zero - v));  // exp(-|x|)
+    store(s + i, v / (one + where_nonnegative(v, en, one / en)));
+  }
+#endif
+  for (; i < n; ++i) s[i] = x[i] / (1.f + exp_any(-x[i]));
+}
+
 // out[t, i] = silu(gate[t, i]) * up[t, i] for gate_up = [gate | up] rows. Rounds where torch's
 // `F.silu(gate) * up` rounds (silu's result, then the product) so bf16 matches the reference.
 template <typename T>
@@ -429,16 +447,22 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   team::parallel_for(0, N, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(std::is_same_v<T, float> ? 0 : I), silu(I);
     for (int64_t t = begin; t < end; ++t) {
       const T* g = gp + t * 2 * I;
       const T* u = g + I;
       T* o = op + t * I;
+      const float* gf;
+      if constexpr (std::is_same_v<T, float>) {
+        gf = g;
+      } else {
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        const float x = to_f(g[i]);
-        const float silu = to_f(from_f<T>(x / (1.f + exp_any(-x))));
-        o[i] = from_f<T>(silu * to_f(u[i]));
+        for (int64_t i = 0; i < I; ++i) gate[i] = to_f(g[i]);
+        gf = gate.data();
       }
+      silu_row(gf, silu.data(), I);
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(to_f(from_f<T>(silu[i])) * to_f(u[i]));
     }
   });
 }

@@ -77,6 +77,23 @@ inline void store_first(float* p, F16 a, int n) {
   _mm512_mask_storeu_ps(p, n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u), a.v);
 }
 inline float reduce_max(F16 a) { return _mm512_reduce_max_ps(a.v); }
+// lanes where x >= 0 from a, the others from b
+inline F16 where_nonnegative(F16 x, F16 a, F16 b) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GE_OQ), b.v, a.v)};
+}
+inline F16 operator/(F16 a, F16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+
+// One hardware register of floats (kNatLanes of them), for register tiles: GCC keeps arrays of
+// these in registers, where it spilled arrays of AVX2's two-register F16 to the stack on every
+// iteration (the prefill attention's tiles ran 3x slower for it). A lane's arithmetic is the
+// same either way, so results do not change.
+using Nat = __m512;
+constexpr int kNatLanes = 16;
+inline Nat nload(const float* p) { return _mm512_loadu_ps(p); }
+inline void nstore(float* p, Nat a) { _mm512_storeu_ps(p, a); }
+inline Nat nset1(float x) { return _mm512_set1_ps(x); }
+inline Nat nfma(Nat a, Nat b, Nat c) { return _mm512_fmadd_ps(a, b, c); }
+inline Nat nmul(Nat a, Nat b) { return _mm512_mul_ps(a, b); }
 inline __m256 lo8(F16 a) { return _mm512_castps512_ps256(a.v); }
 inline __m256 hi8(F16 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
@@ -153,6 +170,20 @@ inline float reduce_max(F16 a) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
+inline F16 where_nonnegative(F16 x, F16 a, F16 b) {
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, z, _CMP_GE_OQ)),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, z, _CMP_GE_OQ))};
+}
+inline F16 operator/(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+
+using Nat = __m256;
+constexpr int kNatLanes = 8;
+inline Nat nload(const float* p) { return _mm256_loadu_ps(p); }
+inline void nstore(float* p, Nat a) { _mm256_storeu_ps(p, a); }
+inline Nat nset1(float x) { return _mm256_set1_ps(x); }
+inline Nat nfma(Nat a, Nat b, Nat c) { return _mm256_fmadd_ps(a, b, c); }
+inline Nat nmul(Nat a, Nat b) { return _mm256_mul_ps(a, b); }
 inline __m256 lo8(F16 a) { return a.lo; }
 inline __m256 hi8(F16 a) { return a.hi; }
 
