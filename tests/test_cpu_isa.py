@@ -167,3 +167,14 @@ def test_isa_level_is_reported():
     level = cpu_ext.isa_level()
     assert level in [v.name for v in cpu_ext.variants()] or level.startswith("none"), level
     json.dumps(level)
+
+
+def test_bf16_without_native_bf16_is_flagged(monkeypatch):
+    """The engine warns when bfloat16 is asked for on a CPU whose kernels widen bf16 to float32
+    (AVX2, AVX-512 without BF16): measured there, its prefill is several times float32's."""
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
+    for level, dtype, flagged in [("avx2", "bfloat16", True), ("avx512", "bfloat16", True),
+                                  ("avx512_bf16", "bfloat16", False), ("avx2", "float32", False)]:
+        monkeypatch.setattr(cpu_ext, "isa_level", lambda level=level: level)
+        assert LLMEngine.device_is_cpu_without_bf16(EngineConfig(dtype=dtype)) is flagged, level
