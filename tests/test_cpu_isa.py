@@ -177,4 +177,6 @@ def test_bf16_without_native_bf16_is_flagged(monkeypatch):
     for level, dtype, flagged in [("avx2", "bfloat16", True), ("avx512", "bfloat16", True),
                                   ("avx512_bf16", "bfloat16", False), ("avx2", "float32", False)]:
         monkeypatch.setattr(cpu_ext, "isa_level", lambda level=level: level)
-        assert LLMEngine.device_is_cpu_without_bf16(EngineConfig(dtype=dtype)) is flagged, level
+        config = EngineConfig(dtype=dtype, device="cpu")
+        assert LLMEngine.device_is_cpu_without_bf16(config.resolved_device(),
+                                                    config.torch_dtype) is flagged, level

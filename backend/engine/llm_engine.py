@@ -41,9 +41,9 @@ _NO_TEXT = DetokenizerUpdate("", False, None)
 
 class LLMEngine:
     @staticmethod
-    def device_is_cpu_without_bf16(config: EngineConfig) -> bool:
+    def device_is_cpu_without_bf16(device: torch.device, dtype: torch.dtype) -> bool:
         """bfloat16 asked for on a CPU whose kernels have no native bf16 arithmetic."""
-        return (config.resolved_device().type == "cpu" and config.torch_dtype == torch.bfloat16
+        return (device.type == "cpu" and dtype == torch.bfloat16
                 and cpu_ext.isa_level() != "avx512_bf16")
 
     def __init__(self, config: EngineConfig, defer_warmup: bool = False):
@@ -65,15 +65,15 @@ class LLMEngine:
         limit = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
         self.max_model_len = min(config.max_model_len or limit, limit)
         dtype = config.torch_dtype
-        if self.device_is_cpu_without_bf16(config):
-            log.warning("dtype bfloat16 on a CPU without AVX512-BF16 (kernels: %s): its GEMMs "
-                        "widen to float32 as they go; measured on an AVX2-only AMD EPYC, a "
-                        "1024-token prefill took 5-6x float32's time and decode was no faster. "
-                        "float32 is the better choice here", cpu_ext.isa_level())
         bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, tp) * config.block_size
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         self.device = config.resolved_device()  # rank 0's; rank r uses the r-th next GPU
+        if self.device_is_cpu_without_bf16(self.device, dtype):
+            log.warning("dtype bfloat16 on a CPU without AVX512-BF16 (kernels: %s): its GEMMs "
+                        "widen to float32 as they go; measured on an AVX2-only AMD EPYC, a "
+                        "1024-token prefill took 5-6x float32's time and decode was no faster. "
+                        "float32 is the better choice here", cpu_ext.isa_level())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton and NCCL launch on the current device
         self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)

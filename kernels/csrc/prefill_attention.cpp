@@ -36,8 +36,6 @@ constexpr int kRows = 6;   // rows (query head x position) per register tile
 constexpr int kKeys = 32;  // keys per V chunk and the padding of a row's keys
 // keys per score tile: 32 (two vectors: 12 of AVX-512's 32 registers), 16 on AVX2
 constexpr int kTileVecs = 2 / kRegsPerVec;
-// output columns (vectors) per P.V tile: all 4 of head_dim 64 (24 of 32 registers), 1 on AVX2
-constexpr int kColVecs = kRegsPerVec == 1 ? 4 : 1;
 constexpr int kPos = 8;    // query positions per task
 
 // Both tiles hold their accumulators as hardware registers (simd::Nat: one zmm, or one ymm on
@@ -45,7 +43,9 @@ constexpr int kPos = 8;    // query positions per task
 // iteration (1024-token prefill, 2 threads, AMD EPYC Zen 3: 29 ms a layer, 41 GFLOP/s). Each
 // lane's sums are the same either way.
 constexpr int kKeyRegs = 16 * kTileVecs / kNatLanes;  // registers per row of a score tile: 2
-constexpr int kColRegs = 16 * kColVecs / kNatLanes;   // per row of a P.V tile: 4, AVX2 2
+// registers per row of a P.V tile: all 64 columns of head_dim 64 on AVX-512 (4 zmm: 24 of its
+// 32 registers), 16 columns on AVX2 (2 ymm: 12 of 16)
+constexpr int kColRegs = kRegsPerVec == 1 ? 4 : 2;
 
 // s[r][k0, k0 + 16 kTileVecs) = scale * q[r] . kt[:, k0 + ...] for the tile's kRows rows; kt
 // is [D][ldk] (keys transposed): per dim, kKeyRegs vector loads and a broadcast per row
