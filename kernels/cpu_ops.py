@@ -9,6 +9,7 @@ avx2; TPLLM_CPU_ISA forces one): the same kernels on each, so nothing here depen
 the few figures quoted, measured on the AVX-512 host unless they say otherwise."""
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -101,7 +102,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()):
         return _ext.small_m_linear_bf16(x, weight, bias)
     if (packed := _packed_copy(x, weight)) is not None:
-        return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
+        if packed[0] == "mkl":
+            return torch.ops.mkl._mkl_linear(x, packed[2], weight, bias, packed[1])
+        return _onednn_linear(x, packed[2], bias)
+    if _onednn_f32(x, weight):
+        return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -111,12 +116,26 @@ def _small_m_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
 
 
+def _onednn_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a float32 GEMM beyond the C++ GEMV's rows runs on oneDNN (GEMM_LIBRARY)."""
+    return (GEMM_LIBRARY == "onednn" and x.dim() == 2 and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # weight: the plain [N, K] tensor (reordered per call, as MKL's GEMM packs per call) or
+    # its reordered copy (pack_linear_weight)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def _packed_copy(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
-    """weight's MKL-packed copy (rows, packed) if x has exactly the rows it was packed for."""
-    packed = getattr(weight, "mkl_packed", None)
-    if packed is not None and x.dim() == 2 and x.shape[0] == packed[0] and x.dtype == torch.float32:
-        return packed
-    return None
+    """weight's packed copy (library, rows, packed) if it serves x: MKL's only at exactly the
+    rows it was packed for, oneDNN's at any row count beyond the C++ GEMV's."""
+    packed = getattr(weight, "cpu_packed", None)
+    if packed is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    serves = x.shape[0] == packed[1] if packed[0] == "mkl" else x.shape[0] > SMALL_M
+    return packed if serves else None
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -124,12 +143,14 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     layer's partial sum straight into its shared-memory all-reduce slot. For a prefill's GEMM
     this saves the copy into the slot (1024 x 576 float32 took ~370 us: ~22 ms per SmolLM2 TP2
     prefill), and with the C++ GEMV a decode step's lm_head shard straight into its logits
-    gather slot. Other shapes (bf16 GEMV, packed copy) compute as linear() does, then copy."""
+    gather slot. Other shapes (bf16 GEMV, packed copy, oneDNN's GEMM: it has no output
+    argument) compute as linear() does, then copy."""
     if out.is_contiguous() and x.dtype == weight.dtype:
         if _small_m_f32(x, weight):
             _ext.small_m_linear_into(x, weight, out)
             return out
-        if x.dim() == 2 and x.shape[0] > SMALL_M and _packed_copy(x, weight) is None:
+        if (x.dim() == 2 and x.shape[0] > SMALL_M and _packed_copy(x, weight) is None
+                and not _onednn_f32(x, weight)):
             return torch.mm(x, weight.t(), out=out)
     return out.copy_(linear(x, weight))
 
@@ -141,19 +162,64 @@ def _mkl_packing() -> bool:
         return False
 
 
-def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
-    """Keeps beside a float32 weight MKL's packed-GEMM copy for inputs of exactly `rows` rows
-    (the engine's full decode batch); `linear` then uses it at that row count. Returns the copy's
-    bytes (0: nothing packed: too few rows for the GEMM path, another dtype, no MKL).
+def _onednn_available() -> bool:
+    try:
+        return (torch.backends.mkldnn.is_available()
+                and bool(torch.ops.mkldnn._linear_pointwise)
+                and bool(torch.ops.mkldnn._reorder_linear_weight))
+    except (AttributeError, RuntimeError):
+        return False
 
-    Why: a full decode batch (64 rows) reads every weight from memory each step, and MKL's GEMM
+
+GEMM_ENV = "TPLLM_CPU_GEMM"
+
+
+def _gemm_library() -> str:
+    """Which library runs the float32 GEMMs beyond the C++ GEMV's rows (prefill chunks, large
+    decode batches): TPLLM_CPU_GEMM (mkl | onednn), else by the CPU. Measured, 2 threads,
+    SmolLM2's prefill shapes (512 rows), each library in the same process:
+    - AMD EPYC Zen 3, AVX2 only: oneDNN 130-143 GFLOP/s where MKL's sgemm reached 101-136, and
+      on the wide GEMMs MKL falls far behind (gate_up 576 -> 3072: 101 vs 140; lm_head 69 vs
+      108; at 64 rows 51 vs 88 and 46 vs 75).
+    - AVX-512 (AMD EPYC Zen 4): MKL reached 197 GFLOP/s at 64 rows, 271 from its packed copy;
+      oneDNN not measured there yet, so MKL stays (TPLLM_CPU_GEMM=onednn to compare)."""
+    forced = os.environ.get(GEMM_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("mkl", "onednn"):
+            raise ValueError(f"{GEMM_ENV}={forced!r}: must be mkl or onednn")
+        if forced == "onednn" and not _onednn_available():
+            raise ValueError(f"{GEMM_ENV}=onednn: this torch has no oneDNN linear")
+        return forced
+    from kernels.cpu_ext import cpu_flags
+    return "onednn" if _onednn_available() and "avx512f" not in cpu_flags() else "mkl"
+
+
+GEMM_LIBRARY = _gemm_library()
+
+
+def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
+    """Keeps beside a float32 weight a packed copy for decode batches of `rows` rows (the
+    engine's full batch), in GEMM_LIBRARY's format: MKL's serves exactly that row count,
+    oneDNN's (reordered to its GEMM's blocked layout) any count beyond SMALL_M. `linear` then
+    uses it. Returns the copy's bytes (0: nothing packed: too few rows for the GEMM path, another
+    dtype, no such library).
+
+    Why: a full decode batch (64 rows) reads every weight from memory each step, and a GEMM
     packs each weight again per call: SmolLM2's 121 linears + lm_head at 64 rows took 87 ms
-    (~197 GF/s, 2 threads); from the packed copies 64 ms (~271 GF/s). MKL only takes the packed
-    copy at the row count it was packed for, so it costs a second copy of the weights."""
-    if rows <= SMALL_M or weight.dtype != torch.float32 or weight.dim() != 2 or not _mkl_packing():
+    (~197 GF/s, 2 threads, AVX-512 host, MKL); from MKL's packed copies 64 ms (~271 GF/s). On
+    the AVX2 host, SmolLM2's layer GEMMs at 64 rows: oneDNN 212 ms per 30 layers, its packed
+    copy 172 ms. It costs a second copy of the weights."""
+    if rows <= SMALL_M or weight.dtype != torch.float32 or weight.dim() != 2:
         return 0
-    if getattr(weight, "mkl_packed", (None,))[0] != rows:
-        weight.mkl_packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+    if GEMM_LIBRARY == "onednn":
+        if getattr(weight, "cpu_packed", (None,))[0] != "onednn":
+            weight.cpu_packed = ("onednn", rows,
+                                 torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+    elif not _mkl_packing():
+        return 0
+    elif getattr(weight, "cpu_packed", (None, None))[:2] != ("mkl", rows):
+        weight.cpu_packed = ("mkl", rows,
+                             torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
     return weight.numel() * weight.element_size()
 
 

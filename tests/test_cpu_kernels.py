@@ -97,8 +97,9 @@ def test_paged_decode_attention_verify_rows_read_the_context_once(hq, hkv, d, dt
         assert torch.equal(got[i:i + 1], alone), i
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
-@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, 64])
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False),
+                                        (64, 1024, False)])
 def test_small_m_linear(m, k, n, bias):
     """The decode linear equals torch's (K not a multiple of 16 and N not of 4 included), and
     each row is the same bits alone or in any batch up to SMALL_M: no batch dependence."""
@@ -110,6 +111,16 @@ def test_small_m_linear(m, k, n, bias):
     torch.testing.assert_close(got, ref.linear(x, w, b), rtol=1e-5, atol=1e-5 * k ** 0.5)
     for i in {0, m - 1}:
         assert torch.equal(cpu_ops.linear(x[i:i + 1].contiguous(), w, b)[0], got[i])
+
+
+def test_small_m_kernel_beyond_its_output_stage():
+    """The C++ GEMV stages 16 weight rows' outputs for up to 64 inputs at a time; called directly
+    with more inputs (cpu_ops sends those to a GEMM) it takes them 64 at a time, same bits."""
+    g = torch.Generator().manual_seed(70)
+    x, w = torch.randn(70, 48, generator=g), torch.randn(37, 48, generator=g)
+    got = cpu_ops._ext.small_m_linear(x, w, None)
+    torch.testing.assert_close(got, ref.linear(x, w), rtol=1e-5, atol=1e-5 * 48 ** 0.5)
+    assert torch.equal(got[64:], cpu_ops._ext.small_m_linear(x[64:].contiguous(), w, None))
 
 
 def test_linear_beyond_small_m_and_other_dtypes_use_torch(monkeypatch):
@@ -200,11 +211,21 @@ def test_rotary_write_kv(tokens, hq, hkv, dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-@pytest.mark.skipif(not cpu_ops._mkl_packing(), reason="torch without MKL's packed GEMM")
+GEMM_LIBRARIES = [
+    pytest.param("mkl", marks=pytest.mark.skipif(not cpu_ops._mkl_packing(),
+                                                 reason="torch without MKL's packed GEMM")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not cpu_ops._onednn_available(),
+                                                    reason="torch without oneDNN's linear")),
+]
+
+
+@pytest.mark.parametrize("library", GEMM_LIBRARIES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_at_its_row_count_only(bias):
-    """A packed weight serves exactly the row count it was packed for (equal to torch's GEMM up
-    to summation order); every other row count takes the unpacked paths, bit for bit."""
+def test_packed_linear_serves_its_rows_only(library, bias, monkeypatch):
+    """A packed weight serves the rows it was packed for (MKL's: exactly that count; oneDNN's:
+    any count beyond the C++ GEMV's), equal to torch's GEMM up to summation order; every other
+    row count takes the unpacked paths, bit for bit."""
+    monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", library)
     g = torch.Generator().manual_seed(5)
     rows = cpu_ops.SMALL_M + 8
     w = torch.randn(300, 576, generator=g)
@@ -212,32 +233,71 @@ def test_packed_linear_at_its_row_count_only(bias):
     before = {m: cpu_ops.linear(torch.randn(m, 576, generator=torch.Generator().manual_seed(m)), w, b)
               for m in (1, cpu_ops.SMALL_M, rows - 8, rows + 8)}
     assert cpu_ops.pack_linear_weight(w, rows) == w.numel() * 4
+    assert w.cpu_packed[0] == library
     assert cpu_ops.pack_linear_weight(w.bfloat16(), rows) == 0
     assert cpu_ops.pack_linear_weight(torch.randn(4, 4), cpu_ops.SMALL_M) == 0  # the C++ GEMV's
-    x = torch.randn(rows, 576, generator=g)
-    torch.testing.assert_close(cpu_ops.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5,
-                               atol=1e-5 * 576 ** 0.5)
+    served = [rows] if library == "mkl" else [rows, rows + 8, 1000]
+    for m in served:
+        x = torch.randn(m, 576, generator=g)
+        assert cpu_ops._packed_copy(x, w) is not None
+        torch.testing.assert_close(cpu_ops.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5,
+                                   atol=1e-5 * 576 ** 0.5)
     for m, want in before.items():
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
-        assert torch.equal(cpu_ops.linear(x, w, b), want)
+        if m not in served:
+            assert torch.equal(cpu_ops.linear(x, w, b), want)
 
 
+@pytest.mark.parametrize("library", GEMM_LIBRARIES)
+@pytest.mark.parametrize("rows", [cpu_ops.SMALL_M + 1, 300, 1024])
+def test_gemm_rows_on_each_library(library, rows, monkeypatch):
+    """Beyond the C++ GEMV's rows a float32 linear runs on GEMM_LIBRARY's GEMM: equal to
+    torch's up to summation order, bias included; float32 only (bf16 keeps torch's path)."""
+    monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", library)
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    calls = []
+    onednn = cpu_ops._onednn_linear
+    monkeypatch.setattr(cpu_ops, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
+    torch.testing.assert_close(cpu_ops.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5,
+                               atol=1e-5 * 576 ** 0.5)
+    assert bool(calls) == (library == "onednn")
+    cpu_ops.linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert len(calls) == (library == "onednn")
+
+
+def test_gemm_library_setting(monkeypatch):
+    """TPLLM_CPU_GEMM forces a library; a value it does not know is an error, not a guess."""
+    monkeypatch.setenv(cpu_ops.GEMM_ENV, "mkl")
+    assert cpu_ops._gemm_library() == "mkl"
+    monkeypatch.setenv(cpu_ops.GEMM_ENV, "blis")
+    with pytest.raises(ValueError, match="mkl or onednn"):
+        cpu_ops._gemm_library()
+    monkeypatch.delenv(cpu_ops.GEMM_ENV)
+    from kernels.cpu_ext import cpu_flags
+    want = "mkl" if "avx512f" in cpu_flags() or not cpu_ops._onednn_available() else "onednn"
+    assert cpu_ops._gemm_library() == want
+
+
+@pytest.mark.parametrize("library", GEMM_LIBRARIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_into_equals_linear(dtype):
+def test_linear_into_equals_linear(dtype, library, monkeypatch):
     """linear_into (a row-parallel partial sum computed into its all-reduce slot) gives linear's
-    bits on every path: C++ GEMV rows, GEMM rows, and the packed copy's row count."""
+    bits on every path: C++ GEMV rows, GEMM rows (each library), and the packed copy's rows."""
+    monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", library)
     g = torch.Generator().manual_seed(11)
     w = torch.randn(300, 576, generator=g).to(dtype)
     packed = cpu_ops.SMALL_M + 8
-    if dtype == torch.float32 and cpu_ops._mkl_packing():
-        cpu_ops.pack_linear_weight(w, packed)
-    for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1, packed, 1024):
-        x = torch.randn(m, 576, generator=g).to(dtype)
-        slot = torch.full((m * 300 + 5,), float("nan"), dtype=dtype)  # a larger buffer's prefix
-        out = slot[:m * 300].view(m, 300)
-        got = cpu_ops.linear_into(x, w, out)
-        assert got.data_ptr() == slot.data_ptr() and torch.equal(got, cpu_ops.linear(x, w))
-        assert slot[m * 300:].isnan().all()
+    w_packed = w.clone()
+    cpu_ops.pack_linear_weight(w_packed, packed)
+    for weight in (w, w_packed):
+        for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1, packed, 1024):
+            x = torch.randn(m, 576, generator=g).to(dtype)
+            slot = torch.full((m * 300 + 5,), float("nan"), dtype=dtype)  # a larger buffer's prefix
+            out = slot[:m * 300].view(m, 300)
+            got = cpu_ops.linear_into(x, weight, out)
+            assert got.data_ptr() == slot.data_ptr() and torch.equal(got, cpu_ops.linear(x, weight))
+            assert slot[m * 300:].isnan().all()
 
 
 @pytest.mark.skipif(not cpu_ops._fast_prefill(64),

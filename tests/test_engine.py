@@ -188,12 +188,15 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     assert stack == halves == modular
 
 
-def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch):
-    """On CPU the linears keep MKL-packed weights for the largest decode bucket; a batch that
-    fills it runs from them and generates what the engine without them does."""
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch, library):
+    """On CPU the linears keep packed weights (MKL's or oneDNN's) for the largest decode
+    bucket; a batch that fills it runs from them and generates what the engine without them
+    does."""
     from kernels import cpu_ops
-    if not cpu_ops._mkl_packing():
-        pytest.skip("torch without MKL's packed GEMM")
+    if not (cpu_ops._mkl_packing() if library == "mkl" else cpu_ops._onednn_available()):
+        pytest.skip(f"torch without {library}'s packed GEMM")
+    monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", library)
     rows = cpu_ops.SMALL_M + 8
     # all admitted in one step (no grouping), so all decode together: a full batch
     kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8, max_num_seqs=rows,
@@ -207,7 +210,7 @@ def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch
         assert packed.engine.runner.packed_weight_bytes > 0
         linear, hits = cpu_ops.linear, []
         monkeypatch.setattr(cpu_ops, "linear", lambda x, w, b=None: hits.append(
-            x.shape[0] == getattr(w, "mkl_packed", (0,))[0]) or linear(x, w, b))
+            cpu_ops._packed_copy(x, w) is not None) or linear(x, w, b))
         got = packed.generate(prompts, sp)
     assert any(hits)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
