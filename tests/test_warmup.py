@@ -149,3 +149,23 @@ def test_async_engine_reports_a_failed_warmup(tiny, monkeypatch):
     ae = AsyncEngine(engine, warm_up=True)
     with pytest.raises(RuntimeError, match="warmup failed: no room for bucket 96"):
         ae.wait_ready(timeout=60)
+
+
+def test_library_gemm_shapes_after_ready_were_warmed(tiny, monkeypatch):
+    """oneDNN builds a kernel per (rows, K, N) the first time it meets one (kernels/cpu_ops.py):
+    every GEMM shape a workload sends it after READY is one warmup already ran."""
+    from kernels import cpu_ops
+    if not (cpu_ops.AVAILABLE and cpu_ops._onednn_available()):
+        pytest.skip("no C++ kernels or no oneDNN linear")
+    monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", "onednn")
+    shapes: list[tuple[int, ...]] = []
+    onednn = cpu_ops._onednn_linear
+    monkeypatch.setattr(cpu_ops, "_onednn_linear", lambda x, w, b: shapes.append(
+        (x.shape[0], *w.shape)) or onednn(x, w, b))
+    llm = LLM(model=str(tiny), num_kv_blocks=256, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=256)
+    warmed = set(shapes)
+    assert any(rows > cpu_ops.SMALL_M for rows, _, _ in warmed)
+    shapes.clear()
+    _varied_workload(llm, seed=2)
+    assert shapes and set(shapes) <= warmed, sorted(set(shapes) - warmed)
