@@ -115,20 +115,28 @@ def threading_info() -> str:
     return f"team (spin {cpu_ops.team_spin_us()} us)" if mode == "team" else mode
 
 
+def gemm_library() -> str:
+    """The library running the float32 GEMMs beyond the C++ GEMV's rows (TPLLM_CPU_GEMM or
+    by the CPU; a server started with the same environment picks the same)."""
+    from kernels import cpu_ops
+    return cpu_ops.GEMM_LIBRARY if cpu_ops.AVAILABLE else "torch (no C++ kernels)"
+
+
 def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "threading": threading_info(), "dtype": dtype,
             "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
-            "kernel_isa": kernel_isa(), "cpu_count": os.cpu_count(),
+            "kernel_isa": kernel_isa(), "gemm": gemm_library(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
 
 
 def header_line(info: dict[str, Any]) -> str:
     return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
-            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')}, threading "
+            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')}, GEMM "
+            f"{info.get('gemm', '?')}, threading "
             f"{info.get('threading', '?')} | {info['dtype']} | "
             f"{info['model_dir']} | {info['cpu']} ({info['cpu_count']} cpus; "
             f"{' '.join(info.get('cpu_isa_flags', [])) or 'no AVX2'}) | {info['date']} | "

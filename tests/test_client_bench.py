@@ -34,6 +34,7 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     assert data["floor"]["a"]["ttft_s"] > 0 and data["floor"]["a"]["tpot_s"] > 0
     assert data["info"]["omp_wait_policy"] == "PASSIVE"
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
+    assert data["info"]["gemm"] in ("mkl", "onednn")
     names = [r["name"] for r in data["ratios"]]
     # no ratio against a constant measured on another machine (the old ours/vLLM-CPU line)
     assert names == ["(a) e2e ours/HF", "(a) TTFT ours/floor", "(a) TPOT ours/floor",
