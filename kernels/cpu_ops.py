@@ -1,7 +1,8 @@
 """The CPU path: C++ kernels where they pay (small-batch float32 and bf16 linears, decode and
-prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stack), MKL's packed
-GEMM for full decode batches, and the torch reference for everything else and for any input the
-kernels don't cover (storage other than float32 / bfloat16, non-contiguous tensors).
+prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stack), MKL's or
+oneDNN's GEMM (GEMM_LIBRARY) for prefill chunks and full decode batches, and the torch
+reference for everything else and for any input the kernels don't cover (storage other than
+float32 / bfloat16, non-contiguous tensors).
 Same names and signatures as kernels/reference.py, so dispatch is a namespace swap.
 
 The C++ module is the ISA variant kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
@@ -91,7 +92,8 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Decode steps: the C++ kernel reads each weight once at ~26 GB/s where MKL reached ~22
     # (2 threads; SmolLM2's 121 GEMVs 19.5 vs 22.6 ms; 1 thread 37.9 vs 40.7; M = 4..32 rows
-    # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still.
+    # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still
+    # (AVX-512 host); beyond SMALL_M rows: GEMM_LIBRARY's GEMM (oneDNN without AVX-512).
     if _small_m_f32(x, weight):
         return _ext.small_m_linear(x, weight, bias)
     # bf16 decode of 1-2 rows: each weight row read once, AVX512-BF16 dot products or (AVX2,
@@ -122,7 +124,8 @@ def _onednn_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     # weight: the plain [N, K] tensor (reordered per call, as MKL's GEMM packs per call) or
     # its reordered copy (pack_linear_weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
