@@ -153,9 +153,9 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // whole cache line per input row. Written straight to y, each tile put 4 floats in each of
   // M rows N floats apart: when N * 4 bytes is a multiple of 4 KB (lm_head 49152, gate_up 3072)
   // those M lines all fall in one L1 (and L2) set, and with M above its 8 ways every tile
-  // missed on each of them again. lm_head at 64 rows, 2 threads, AVX2-only AMD EPYC Zen 3:
-  // 71 ms direct (oneDNN's GEMM: 49). Weights are still read 4 rows at a time in memory order,
-  // and each y[m, n] is the same sum.
+  // missed on each of them again. lm_head at 64 rows, 2 threads, AVX2-only AMD EPYC Zen 3,
+  // old and new builds in alternating processes: 50-59 ms direct, 44-50 staged. Weights are
+  // still read 4 rows at a time in memory order, and each y[m, n] is the same sum.
   constexpr int64_t kStageRows = 16, kStageInputs = 64;
   const int64_t groups = (N + kStageRows - 1) / kStageRows;
   team::parallel_for(0, groups, std::max<int64_t>(1, grain_rows / kStageRows),
