@@ -112,16 +112,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _plain_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M, K] and weight float32 and contiguous: what the C++ GEMV and oneDNN's GEMM take."""
+    return (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.is_contiguous() and weight.is_contiguous())
+
+
 def _small_m_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the C++ float32 GEMV takes x @ weight^T (linear and linear_into)."""
-    return (x.dim() == 2 and x.shape[0] <= SMALL_M and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+    return _plain_f32(x, weight) and x.shape[0] <= SMALL_M
 
 
 def _onednn_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a float32 GEMM beyond the C++ GEMV's rows runs on oneDNN (GEMM_LIBRARY)."""
-    return (GEMM_LIBRARY == "onednn" and x.dim() == 2 and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+    return GEMM_LIBRARY == "onednn" and _plain_f32(x, weight)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -181,7 +185,7 @@ def _gemm_library() -> str:
     """Which library runs the float32 GEMMs beyond the C++ GEMV's rows (prefill chunks, large
     decode batches): TPLLM_CPU_GEMM (mkl | onednn), else by the CPU. Measured, 2 threads,
     SmolLM2's prefill shapes (512 rows), each library in the same process:
-    - AMD EPYC Zen 3, AVX2 only: oneDNN 130-143 GFLOP/s where MKL's sgemm reached 101-136, and
+    - AMD EPYC Zen 3, AVX2 only: oneDNN 125-143 GFLOP/s where MKL's sgemm reached 101-136, and
       on the wide GEMMs MKL falls far behind (gate_up 576 -> 3072: 101 vs 140; lm_head 69 vs
       108; at 64 rows 51 vs 88 and 46 vs 75).
     - AVX-512 (AMD EPYC Zen 4): MKL reached 197 GFLOP/s at 64 rows, 271 from its packed copy;
@@ -210,8 +214,9 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
     Why: a full decode batch (64 rows) reads every weight from memory each step, and a GEMM
     packs each weight again per call: SmolLM2's 121 linears + lm_head at 64 rows took 87 ms
     (~197 GF/s, 2 threads, AVX-512 host, MKL); from MKL's packed copies 64 ms (~271 GF/s). On
-    the AVX2 host, SmolLM2's layer GEMMs at 64 rows: oneDNN 212 ms per 30 layers, its packed
-    copy 172 ms. It costs a second copy of the weights."""
+    the AVX2 host, SmolLM2's layer GEMMs at 64 rows, weights cached: oneDNN 212 ms per 30
+    layers, its packed copy 172 ms; weights from DRAM (as in a decode step) 186-190 vs 172-188.
+    It costs a second copy of the weights."""
     if rows <= SMALL_M or weight.dtype != torch.float32 or weight.dim() != 2:
         return 0
     if GEMM_LIBRARY == "onednn":
