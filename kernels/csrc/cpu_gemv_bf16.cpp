@@ -22,7 +22,8 @@
 namespace {
 
 struct Bf16Tile {
-  static constexpr int kInputs = 4;
+  template <int R>
+  static constexpr int inputs() { return 4; }
   template <int R, int MM>
   static void run(const uint16_t* w, const uint16_t* x, int64_t K, float* y, int64_t ldy) {
     __m512 acc[R][MM];

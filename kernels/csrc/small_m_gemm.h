@@ -1,9 +1,8 @@
 // The driver shared by the small-batch linears (cpu_gemv.cpp float32, cpu_gemv_bf16.cpp bf16):
 // y[M, N] (float32) = x[M, K] . w[N, K]^T, a weight row (few inputs) or 4 (more) at a
-// time x up to Tile::kInputs input rows, each weight row read from memory once, whatever M.
-// Tile::run<R, MM>(w, x, K, y, ldy) computes
-// R weight rows (w, stride K) x MM input rows (x, stride K) into y[m * ldy + r]; MM is at most
-// Tile::kInputs.
+// time x up to Tile::inputs<R>() input rows, each weight row read from memory once, whatever
+// M. Tile::run<R, MM>(w, x, K, y, ldy) computes R weight rows (w, stride K) x MM input rows
+// (x, stride K) into y[m * ldy + r]; MM is at most Tile::inputs<R>().
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -14,11 +13,11 @@
 
 namespace small_m {
 
-// inputs in groups of Tile::kInputs (AVX-512: 4; AVX2, 16 registers: fewer): the R weight rows
-// come from memory once, then from L1
+// inputs in groups of Tile::inputs<R>() (AVX-512: 4; AVX2, 16 registers: fewer for 4-row
+// tiles): the R weight rows come from memory once, then from L1
 template <class Tile, int R, typename W, typename X>
 inline void rows_by_inputs(const W* w, const X* x, int64_t M, int64_t K, float* y, int64_t ldy) {
-  constexpr int G = Tile::kInputs;
+  constexpr int G = Tile::template inputs<R>();
   int64_t m = 0;
   for (; m + G <= M; m += G) Tile::template run<R, G>(w, x + m * K, K, y + m * ldy, ldy);
   const int64_t left = M - m;
@@ -41,8 +40,12 @@ inline float widen(uint16_t b) {  // bfloat16 bits
 // y[m, n] is the same whatever M, the thread split and the ISA variant.
 struct FmaTile {
 #if defined(TPLLM_SIMD16)
-  // up to 4 x 4 accumulators: 16 of AVX-512's 32 registers; on AVX2 4 x 1 take 8 of its 16
-  static constexpr int kInputs = simd::kRegsPerVec == 1 ? 4 : 1;
+  // Input rows a tile of R weight rows takes at once. AVX-512: 4 (4 x 4 accumulators: 16 of
+  // its 32 registers). AVX2 (an F16 is two of its 16 ymm): 4-row tiles take 1 input (8
+  // registers of accumulators); a single weight row takes 4 (8 accumulators + the weight's
+  // 2; each input vector is used once a chunk, so it needs no register of its own).
+  template <int R>
+  static constexpr int inputs() { return simd::kRegsPerVec == 1 || R == 1 ? 4 : 1; }
   template <int R, int MM, typename W>
   static void run(const W* w, const float* x, int64_t K, float* y, int64_t ldy) {
     using namespace simd;
@@ -51,11 +54,16 @@ struct FmaTile {
       for (int m = 0; m < MM; ++m) acc[r][m] = set1(0.f);
     const int64_t kv = K - K % 16;
     for (int64_t k = 0; k < kv; k += 16) {
-      F16 xs[MM];
-      for (int m = 0; m < MM; ++m) xs[m] = load(x + m * K + k);
-      for (int r = 0; r < R; ++r) {
-        const F16 wv = load(w + r * K + k);
-        for (int m = 0; m < MM; ++m) acc[r][m] = fma(wv, xs[m], acc[r][m]);
+      if constexpr (R == 1) {  // each input vector used once: loaded into the FMA, no register
+        const F16 wv = load(w + k);
+        for (int m = 0; m < MM; ++m) acc[0][m] = fma(wv, load(x + m * K + k), acc[0][m]);
+      } else {
+        F16 xs[MM];
+        for (int m = 0; m < MM; ++m) xs[m] = load(x + m * K + k);
+        for (int r = 0; r < R; ++r) {
+          const F16 wv = load(w + r * K + k);
+          for (int m = 0; m < MM; ++m) acc[r][m] = fma(wv, xs[m], acc[r][m]);
+        }
       }
     }
     for (int r = 0; r < R; ++r)
@@ -66,7 +74,8 @@ struct FmaTile {
       }
   }
 #else  // portable: float32 weights only, multiply then add (the module has no FMA contraction)
-  static constexpr int kInputs = 4;
+  template <int R>
+  static constexpr int inputs() { return 4; }
   template <int R, int MM>
   static void run(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
     v16f acc[R][MM];
@@ -128,7 +137,7 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // >= ~64 KB of weights per task: small layers stay on one thread
   const int64_t grain_rows = std::max<int64_t>(
       1, 65536 / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W))));
-  // Up to 8 inputs on AVX-512 (1 on AVX2): one weight row at a time, in memory order, so the
+  // Up to 8 inputs: one weight row at a time, in memory order, so the
   // weights stream as one sequential read per thread chunk (a second group of inputs reads the
   // row again from L1). 4-row tiles read 4 interleaved streams, which the hardware prefetchers
   // followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2 threads, AMD EPYC Zen 4)
@@ -139,7 +148,7 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // input and 22.6 for 6. 9 inputs (tiles): 36.0-36.9.
   // More inputs: 4-row tiles, where each input vector loaded serves 4 rows. Each y[m, n] is
   // summed the same way in both (its own accumulator, k in order): M changes no row's result.
-  constexpr int64_t kRowByRowInputs = Tile::kInputs > 1 ? 8 : Tile::kInputs;
+  constexpr int64_t kRowByRowInputs = 8;
   if (M <= kRowByRowInputs) {
     team::parallel_for(0, N, grain_rows, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
