@@ -127,11 +127,12 @@ def speculation_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """The options of speculative decoding's workloads: bench speculation, and bench decode's
     part 2 (there prefixed `--spec-`, stored without the prefix's dashes: spec_k, ...)."""
     a = lambda name, **kw: p.add_argument(f"--{prefix}{name}", **kw)  # noqa: E731
-    a("k", type=int, default=4, help="speculative_ngram: drafts per step (default 4)")
-    a("match", type=int, default=3, help="speculative_ngram_match (default 3)")
+    a("k", type=int, default=7, help="speculative_ngram: drafts per step (default 7)")
+    a("match", type=int, default=4, help="speculative_ngram_match (default 4)")
     a("prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
     a("max-tokens", type=int, default=192, help="output tokens at most (default 192)")
     a("concurrency", type=int, default=64, help="requests of (c) (default 64)")
+    a("rounds", type=int, default=3, help="rounds of (c), on/off order alternating (default 3)")
     a("server", action="store_true", help="through tritonserver (gRPC streaming)")
     a("seed", type=int, default=0, help="seed of the generated prompts")
 

@@ -21,9 +21,12 @@ def test_ngram_index_finds_the_most_recent_earlier_occurrence():
     assert idx.propose(ids, 3) == [6, 1, 2]  # [2, 5] occurred once, followed by 6, 1, 2
     ids += [9, 9]
     assert idx.propose(ids, 3) == []  # [9, 9]: never seen before (the suffix itself is not)
-    assert idx.propose(ids + [9], 2) == [9]  # [9, 9] then 9: only one token followed it
+    # [9, 9] then 9: one token followed it so far; the copy goes on into itself
+    assert idx.propose(ids + [9], 2) == [9, 9] and idx.last_start == len(ids)
     assert NgramIndex(3).propose([1, 2, 3], 4) == []  # too short to have a predecessor
     assert NgramIndex(1).propose([7, 8, 7], 0) == []
+    # a loop of period 3: the draft is the next period and more, not the 1 token seen after
+    assert NgramIndex(2).propose([5, 6, 7, 5, 6, 7, 5, 6], 5) == [7, 5, 6, 7, 5]
 
 
 def _running(ids: list[int], temperature: float = 0.0, max_tokens: int = 100) -> Sequence:
@@ -47,20 +50,59 @@ def test_propose_limits_and_adaptive_k():
     short.num_prompt_tokens = len(ids) - 1
     spec.propose([short], waiting=0, max_num_seqs=8)
     assert short.draft_token_ids == [5]
-    # adaptive: all accepted -> k stays at most max_draft; one accepted -> k = 2
+    # adaptive: accepted (all or some) -> k = max_draft; nothing -> k = 1 for copies followed
     greedy.draft_token_ids = [5, 6, 7, 8]
     assert spec.accept(greedy, [5, 6, 7, 8, 9]) == 4 and greedy.spec.k == 4
     greedy.draft_token_ids = [5, 6, 7, 8]
-    assert spec.accept(greedy, [5, 0, 0, 0, 0]) == 1 and greedy.spec.k == 2
+    assert spec.accept(greedy, [5, 0, 0, 0, 0]) == 1 and greedy.spec.k == 4
     # two misses in a row: no proposals for the next 4 steps, then again
     for _ in range(2):
         greedy.draft_token_ids = [5, 6]
         assert spec.accept(greedy, [0, 0, 0]) == 0
+    assert greedy.spec.k == 1
     for _ in range(4):
         spec.propose([greedy], waiting=0, max_num_seqs=8)
         assert greedy.draft_token_ids == []
     spec.propose([greedy], waiting=0, max_num_seqs=8)
-    assert greedy.draft_token_ids == [5]
+    # a whole-suffix match ([3, 4]) drafts all it may, whatever k
+    assert greedy.draft_token_ids == [5, 6, 7, 8]
+
+
+def _append(seq: Sequence, tokens: list[int]) -> None:
+    seq.token_ids += tokens
+    seq.num_computed_tokens = len(seq.token_ids) - 1  # decoding again
+
+
+def _decode(spec: NgramSpeculator, seq: Sequence, model: list[int]) -> int:
+    """One step: propose, then the model's tokens `model` for the rows (its own next token
+    after each draft prefix); appends what the engine would. Returns the accepted count."""
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    if not seq.draft_token_ids:
+        spec.observe(seq, model[0])
+        _append(seq, model[:1])
+        return 0
+    a = spec.accept(seq, model[:len(seq.draft_token_ids) + 1])
+    _append(seq, model[:a + 1])
+    seq.draft_token_ids = []
+    return a
+
+
+def test_a_copy_goes_on_past_a_substituted_token():
+    spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
+    # source line [20, 21, 22, 23, 24, 25]; the output repeats it with 22 renamed to 90
+    seq = _running([1, 2, 20, 21, 22, 23, 24, 25, 26, 3, 20, 21])
+    # [3, 20, 21] is new; [20, 21] occurred: drafts [22, 23, 24, 25]
+    assert _decode(spec, seq, [90, 23, 24, 25, 26]) == 0
+    assert seq.token_ids[-3:] == [20, 21, 90] and seq.spec.k == 1
+    # [20, 21, 90] never occurred: the copy goes on after the 22 the model replaced, one
+    # token (nothing of the last draft was accepted), before any shorter suffix
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [23]
+    seq.draft_token_ids = []
+    assert _decode(spec, seq, [23, 24]) == 1
+    # accepted: the followed copy drafts k tokens again ([90, 23, 24] occurred nowhere)
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [25, 26, 3, 20]
 
 
 def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
@@ -74,19 +116,23 @@ def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
     fresh = _running([1, 2, 3])
     spec.propose([fresh], waiting=0, max_num_seqs=8)
     assert fresh.draft_token_ids == []  # no suffix occurred before, not even one token
-    # two misses: paused; while paused the first token a draft would have had is remembered
-    for _ in range(2):
-        seq.draft_token_ids = [5, 6]
-        assert spec.accept(seq, [0, 0, 0]) == 0
+    # two misses: the model decodes 0 where the copy of [5, 6, 7, ...] says 5, then 6
+    seq.draft_token_ids = []
+    assert _decode(spec, seq, [0, 0, 0, 0, 0]) == 0
+    assert _decode(spec, seq, [0, 0]) == 0  # the copy followed, one token: [6]
+    assert seq.spec.pause == 4
+    # paused: no drafts; the first token a draft would have had (the copy's 7) is remembered
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [] and seq.spec.shadow == 5
+    assert seq.draft_token_ids == [] and seq.spec.shadow == 7
     spec.observe(seq, 0)  # the model decoded something else: still paused
+    _append(seq, [0])
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [] and seq.spec.pause == 2
-    spec.observe(seq, 5)  # it decoded what the draft would have started with: drafting again
+    assert seq.draft_token_ids == [] and seq.spec.pause == 2 and seq.spec.shadow == 8
+    spec.observe(seq, 8)  # it decoded what the draft would have started with: drafting again
+    _append(seq, [8])
     assert seq.spec.pause == 0 and seq.spec.misses == 0
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [5]  # k after the misses: one past the accepted count
+    assert seq.draft_token_ids == [9]  # the copy followed, one token after the misses
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -99,6 +145,7 @@ class OracleDrafts:
     wrong on purpose (a random model never copies its prompt, so real n-grams rarely hit): every
     path of verification is taken — all accepted, some, none — deterministically."""
     expected: list[list[int]] = []
+    last_start = None  # its drafts are copied from nowhere: no copy to follow
 
     def __init__(self, n: int):
         pass
@@ -261,7 +308,7 @@ def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
     import sys
     from pathlib import Path
     out = tmp_path / "spec.json"
-    opts = ["prompts", "3", "max-tokens", "12", "concurrency", "3"]
+    opts = ["prompts", "3", "max-tokens", "12", "concurrency", "3", "rounds", "2"]
     prefix = "--" if command == "speculation" else "--spec-"
     args = [prefix + x if i % 2 == 0 else x for i, x in enumerate(opts)]
     args += ["--wait-policy", "passive"] if command == "speculation" else ["--parts", "2"]
@@ -277,6 +324,7 @@ def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
     for key in ("grounded_batch1", "chat_batch1", "grounded_concurrent"):
         assert data[key]["off"]["output_tokens"] == data[key]["on"]["output_tokens"] > 0
         assert data[key]["ratio"] > 0
+    assert len(data["grounded_concurrent"]["rounds"]) == 2  # (c): a ratio per round, the median's
     assert data["grounded_batch1"]["identical"] == "3/3" and data["chat_batch1"]["identical"] == "3/3"
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert "(a) input-grounded, batch 1" in proc.stdout and "drafts accepted" in proc.stdout

@@ -8,6 +8,17 @@ token, so a proposal costs a dict lookup whatever the context length.
 from __future__ import annotations
 
 
+def copy_from(token_ids: list[int], start: int, k: int) -> list[int]:
+    """k tokens copied from token_ids[start:], the copy continuing into itself past the end:
+    a match a period p back (a repeated line, a loop) drafts the whole period and more, not
+    only the p tokens that happen to follow it so far. start < len(token_ids)."""
+    length = len(token_ids)
+    out = token_ids[start:start + k]
+    while len(out) < k:
+        out.append(out[start + len(out) - length])
+    return out
+
+
 class NgramIndex:
     """Where each n-gram of a token list last ended (the index of the token that followed it)."""
 
@@ -15,6 +26,7 @@ class NgramIndex:
         self.n = n
         self._next_of: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before token_ids[_indexed] are in the table
+        self.last_start: int | None = None  # where the last proposal was copied from
 
     def _extend(self, token_ids: list[int], upto: int) -> None:
         """Index the n-grams followed by a token in token_ids[:upto] (most recent wins)."""
@@ -24,8 +36,10 @@ class NgramIndex:
         self._indexed = max(self._indexed, upto)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the last n tokens;
-        [] when they never occurred before (or the context is shorter than n + 1)."""
+        """Up to k tokens that followed the most recent earlier occurrence of the last n tokens
+        (copy_from: continued past the end); [] when they never occurred before (or the context
+        is shorter than n + 1)."""
+        self.last_start = None
         length = len(token_ids)
         if k <= 0 or length <= self.n:
             return []
@@ -34,4 +48,5 @@ class NgramIndex:
         start = self._next_of.get(tuple(token_ids[length - self.n:]))
         if start is None or start >= length:
             return []
-        return token_ids[start:start + k]
+        self.last_start = start
+        return copy_from(token_ids, start, k)

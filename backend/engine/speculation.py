@@ -18,16 +18,22 @@ per draft; both simply decode one token a step. Penalties, min_tokens, stop stri
 logprobs work unchanged: each row is sampled as a view of the sequence with the drafts before it
 appended.
 
-The draft continues the longest suffix of the context (up to `match` tokens, down to one) that
-occurred earlier in it. Adaptive: a sequence's k grows by one after a fully accepted draft and
-falls to one past its accepted count otherwise; after consecutive drafts with nothing accepted
-it stops proposing for a doubling number of steps (a no-overlap workload then runs plain decode
-steps), and it resumes as soon as the token it would have drafted first is the one the model
-decodes (checked for free: nothing is verified while paused). Drafts are only
-proposed while every running sequence is decoding and nothing waits for admission (prompts go
-first, and a verify step stays a decode-only step: the fused decode kernels), and only while the
-step's rows stay within `max_rows` (on CPU 8: a step stays bound by reading the weights; big
-batches are compute-bound and gain nothing).
+Where a draft comes from (SpecState.propose), best evidence first: what followed the most
+recent earlier occurrence of the context's last `match` tokens; else the copy the previous draft
+came from, continued past the token where the model differed (a renamed variable, a list's next
+number: one token is new, the rest of the line still follows the source); else shorter suffixes,
+down to one token. A copy runs on into itself past the context's end, so a loop of period p
+drafts whole periods. How long: a whole-suffix match gets every row the step has room for (up
+to k); the other sources get k after a draft that was at least partly accepted and a single
+token after one that was not (the measured acceptance of each source, ~0.2 for the first token
+of a copy followed after a miss against 0.6-1.0 otherwise, is why). After consecutive drafts
+with nothing accepted the sequence stops proposing for a doubling number of steps (a no-overlap
+workload then runs plain decode steps), and it resumes as soon as the token it would have
+drafted first is the one the model decodes (checked for free: nothing is verified while
+paused). Drafts are only proposed while every running sequence is decoding and nothing waits
+for admission (prompts go first, and a verify step stays a decode-only step: the fused decode
+kernels), and only while the step's rows stay within `max_rows` (on CPU 8: a step stays bound
+by reading the weights; big batches are compute-bound and gain nothing).
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.ngram import NgramIndex
+from backend.engine.ngram import NgramIndex, copy_from
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -48,18 +54,43 @@ CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carr
 class SpecState:
     """One sequence's drafting state."""
     indices: list[NgramIndex]  # the longest n-gram first, down to single tokens
-    k: int  # draft tokens to propose next time
+    k: int  # tokens a draft not from a whole-suffix match may have (1 after a miss)
     misses: int = 0  # consecutive verifications that accepted nothing
     pause: int = 0  # steps left without proposing
     shadow: int | None = None  # while paused: the token a draft would have started with
+    follow: int | None = None  # where the copy the last draft came from goes on (see propose)
+    start: int | None = None  # where this step's draft was copied from
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """What followed the most recent earlier occurrence of the longest suffix of token_ids
-        (speculative_ngram_match tokens, then fewer, down to one) that occurred before."""
-        for index in self.indices:
+        (speculative_ngram_match tokens) that occurred before, `limit` tokens of it: a whole
+        suffix matched is good evidence. Failing that, self.k tokens (at most `limit`) of the
+        copy the last draft came from, continued past the token the model put in place of the
+        draft's (a renamed variable, the next number of a list: one token differs, the rest of
+        the line is still the source's); failing that, of shorter suffixes, down to one token."""
+        self.start = None
+        longest, *shorter = self.indices
+        if draft := longest.propose(token_ids, limit):
+            self.start = longest.last_start
+            return draft
+        k = min(self.k, limit)
+        if self.follow is not None and self.follow < len(token_ids) and k > 0:
+            self.start = self.follow
+            return copy_from(token_ids, self.follow, k)
+        for index in shorter:
             if draft := index.propose(token_ids, k):
+                self.start = index.last_start
                 return draft
         return []
+
+    def advanced(self, appended: int) -> None:
+        """The sequence appended `appended` tokens (accepted drafts and the model's own): the
+        copy this step's draft came from (or the one followed before, if nothing was drafted)
+        goes on that much further, taking the model's token for the source's where they
+        differ."""
+        at = self.start if self.start is not None else self.follow
+        self.follow = None if at is None else at + appended
+        self.start = None
 
 
 @dataclass
@@ -106,7 +137,7 @@ class NgramSpeculator:
                 st.shadow = shadow[0] if shadow else None
                 continue
             left = seq.params.max_tokens - seq.num_output_tokens - 1  # the bonus token is extra
-            draft = st.propose(seq.token_ids, min(st.k, room, left))
+            draft = st.propose(seq.token_ids, min(self.max_draft, room, left))
             seq.draft_token_ids = draft
             room -= len(draft)
 
@@ -115,7 +146,10 @@ class NgramSpeculator:
         """A paused sequence decoded `token` without drafts: if its draft would have started
         with it, drafting pays again, so the pause ends (costs nothing: no row was verified)."""
         st = seq.spec
-        if st is not None and st.shadow is not None:
+        if st is None:
+            return
+        st.advanced(1)
+        if st.shadow is not None:
             if st.shadow == token:
                 st.pause = st.misses = 0
             st.shadow = None
@@ -136,11 +170,11 @@ class NgramSpeculator:
         while a < len(draft) and sampled[a] == draft[a]:
             a += 1
         st = seq.spec
-        if a == len(draft):
-            st.k, st.misses = min(self.max_draft, len(draft) + 1), 0
+        st.advanced(a + 1)
+        if a:
+            st.k, st.misses = self.max_draft, 0
         else:
-            st.k = min(self.max_draft, a + 1)
-            st.misses = st.misses + 1 if a == 0 else 0
+            st.k, st.misses = 1, st.misses + 1
             if st.misses >= 2:
                 st.pause = min(_MAX_PAUSE, 1 << st.misses)
         return a
