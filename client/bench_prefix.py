@@ -242,7 +242,7 @@ def _combine(rounds: list[dict]) -> dict:
     for r in rounds:
         r["same_text"] = r["on"].pop("texts") == r["off"].pop("texts")
         r["ratio"] = r["on"]["output_tok_s"] / r["off"]["output_tok_s"]
-    mid = sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
+    mid = bu.median_round(rounds)
     return {"on": mid["on"], "off": mid["off"], "ratio": mid["ratio"],
             "same_text": all(r["same_text"] for r in rounds),
             "rounds": [{"on": r["on"], "off": r["off"]} for r in rounds]}

@@ -187,7 +187,7 @@ def concurrent(targets: dict, rounds: list[list[str]], max_tokens: int) -> dict:
             out[name] = {"output_tokens": n, "seconds": dt, "tok_s": n / dt}
         out["ratio"] = out["on"]["tok_s"] / out["off"]["tok_s"]
         runs.append(out)
-    mid = dict(sorted(runs, key=lambda o: o["ratio"])[(len(runs) - 1) // 2])
+    mid = dict(bu.median_round(runs))
     mid["rounds"] = [round(o["ratio"], 3) for o in runs]
     return mid
 

@@ -71,6 +71,13 @@ def ratio_row(name: str, value: float | None, target: float, higher_is_better: b
             "verdict": verdict(value, target, higher_is_better)}
 
 
+def median_round(rounds: Sequence[dict]) -> dict:
+    """Of paired on/off rounds (each with its on/off "ratio"), the one whose ratio is the
+    median (the lower of the middle two for an even count): a bench's robust figure on a VM
+    that drifts between runs, shown with that round's own numbers."""
+    return sorted(rounds, key=lambda r: r["ratio"])[(len(rounds) - 1) // 2]
+
+
 def ratio_lines(ratios: Sequence[dict]) -> str:
     w = max(len(r["name"]) for r in ratios)
     return "\n".join(f"  {r['name'].ljust(w)}  {fmt_num(r['value'], 2):>7}  "

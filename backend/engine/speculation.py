@@ -143,8 +143,9 @@ class NgramSpeculator:
 
     @staticmethod
     def observe(seq: Sequence, token: int) -> None:
-        """A paused sequence decoded `token` without drafts: if its draft would have started
-        with it, drafting pays again, so the pause ends (costs nothing: no row was verified)."""
+        """seq decoded `token` without drafts: the copy it follows moves on by one; if it is
+        paused and its draft would have started with `token`, drafting pays again, so the pause
+        ends (costs nothing: no row was verified)."""
         st = seq.spec
         if st is None:
             return
