@@ -9,7 +9,9 @@ Workloads (text prompts; greedy with ignore_eos, so both settings do the same de
  (c) no shared prefix: N random prompts of I tokens, O' output tokens each, all in flight at
      once: what caching costs when nothing hits. A few percent is this VM's noise between two
      runs, so (c) runs R rounds (new prompts each), on and off paired, the order alternating;
-     the ratio is the median of the rounds' ratios.
+     the ratio is the median of the rounds' ratios. Offline, each round also records the
+     engines' work (steps, tokens through the model, preemptions): the same work on and off
+     means a wall-time gap is drift, not a cost of caching.
 Each workload gets its own system prompt / texts, so no run finds another's prefix cached.
 Offline: two engines in this process (caching on, off), each behind AsyncEngine (its own thread,
 as in the server), each workload run on one then the other. --server: one tritonserver per
@@ -84,6 +86,13 @@ class OfflineTarget:
         s = self.engine.stats
         return s.prefix_cache_queries, s.prefix_cache_hits
 
+    def work(self) -> dict[str, int]:
+        """The engine's work so far: a round's delta shows whether on and off did the same steps
+        (a wall-time gap with the same work is this VM's drift, not caching's cost)."""
+        s = self.engine.stats
+        return {"steps": s.steps, "scheduled_tokens": s.scheduled_tokens,
+                "preemptions": s.preemptions}
+
     def close(self) -> None:
         self.async_engine.shutdown()
         self.engine.close()
@@ -154,6 +163,7 @@ def multi_turn(target, openings: list[str], turns: list[list[str]], max_tokens: 
 
 def _timed(target, clients, results) -> dict:
     q0, h0 = target.counters()
+    w0 = target.work() if hasattr(target, "work") else None  # offline only
     threads = [threading.Thread(target=c) for c in clients]
     t0 = time.perf_counter()
     for t in threads:
@@ -162,6 +172,7 @@ def _timed(target, clients, results) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     q1, h1 = target.counters()
+    work = {k: v - w0[k] for k, v in target.work().items()} if w0 is not None else None
     rs = results()
     assert all(r is not None for r in rs), "a request failed"
     ttft = bu.percentiles([r.ttft_s for r in rs], (50, 90))
@@ -171,7 +182,7 @@ def _timed(target, clients, results) -> dict:
             "e2e_p50_s": e2e["p50"], "e2e_p90_s": e2e["p90"], "output_tok_s": out / wall,
             "requests": len(rs), "cached_tokens": sum(r.cached_tokens for r in rs),
             "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
-            "texts": [r.text for r in rs]}
+            "work": work, "texts": [r.text for r in rs]}
 
 
 def workloads(args, tokenizer) -> list[tuple[str, list]]:
@@ -276,6 +287,7 @@ def report(data: dict, args) -> str:
             ratios.append(bu.ratio_row(f"{name}: output tok/s on/off"
                                        + (f" (median of {n} paired rounds)" if n > 1 else ""),
                                        r["ratio"], 0.98, True))
+    work = _work_line(data["results"])
     title = (f"prefix caching on vs off ({data['mode']}; greedy, ignore_eos; (a) {args.requests} x "
              f"(~{args.system_len} + ~{args.question_len}) in / {args.output_len} out; (b) "
              f"~{args.turn_len} new tokens a turn, {args.turn_output_len} out; (c) "
@@ -283,7 +295,20 @@ def report(data: dict, args) -> str:
     head = ["workload", "wall s", "TTFT p50 ms", "p90 ms", "e2e p50 ms", "out tok/s",
             "hit rate", "same text"]
     return "\n".join([bu.header_line(data["info"]), "", bu.table(title, head, rows), "",
-                      "ratios (on / off, same run):", bu.ratio_lines(ratios)])
+                      "ratios (on / off, same run):", bu.ratio_lines(ratios)] + work)
+
+
+def _work_line(results: dict) -> list[str]:
+    """The no-prefix workload's engine work on / off per round (offline runs only)."""
+    name = next((n for n in results if n.startswith("(c)")), None)
+    rounds = [r for r in results[name]["rounds"] if r["on"].get("work")] if name else []
+    if not rounds:
+        return []
+    cells = [f"steps {r['on']['work']['steps']}/{r['off']['work']['steps']}, tokens "
+             f"{r['on']['work']['scheduled_tokens']}/{r['off']['work']['scheduled_tokens']}, "
+             f"preemptions {r['on']['work']['preemptions']}/{r['off']['work']['preemptions']}"
+             for r in rounds]
+    return ["", f"{name}: engine work on/off by round: " + "; ".join(cells)]
 
 
 def main(args) -> int:

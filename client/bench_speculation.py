@@ -104,6 +104,12 @@ class OfflineTarget:
         s = self.llm.stats
         return s["spec_draft_tokens"], s["spec_accepted_tokens"]
 
+    def work(self) -> dict[str, int]:
+        """Engine steps and drafts so far (offline only): (c)'s rounds show how much of a gap
+        between on and off is work and how much is this VM's drift."""
+        s = self.llm.stats
+        return {"steps": s["steps"], "drafts": s["spec_draft_tokens"]}
+
     def close(self) -> None:
         self.llm.close()
 
@@ -180,15 +186,19 @@ def concurrent(targets: dict, rounds: list[list[str]], max_tokens: int) -> dict:
     for r, prompts in enumerate(rounds):
         out = {}
         for name in list(targets) if r % 2 == 0 else list(targets)[::-1]:
-            t0 = time.perf_counter()
+            work = getattr(targets[name], "work", dict)
+            w0, t0 = work(), time.perf_counter()
             res = targets[name].batch(prompts, max_tokens)
             dt = time.perf_counter() - t0
             n = _count(targets[name], res)
-            out[name] = {"output_tokens": n, "seconds": dt, "tok_s": n / dt}
+            out[name] = {"output_tokens": n, "seconds": dt, "tok_s": n / dt,
+                         **{k: v - w0[k] for k, v in work().items()}}
         out["ratio"] = out["on"]["tok_s"] / out["off"]["tok_s"]
         runs.append(out)
     mid = dict(bu.median_round(runs))
     mid["rounds"] = [round(o["ratio"], 3) for o in runs]
+    mid["work"] = [{name: {k: o[name][k] for k in ("steps", "drafts") if k in o[name]}
+                    for name in ("on", "off")} for o in runs]
     return mid
 
 
@@ -243,7 +253,17 @@ def report(data: dict) -> str:
                      f"match {data['match']}, max_tokens {data['max_tokens']}",
                      ["workload", "off tok/s", "on tok/s", "on/off", "identical greedy"], rows)
             + f"\ndrafts accepted: {acc['accepted_tokens']:.0f} of {acc['draft_tokens']:.0f} ({rate})\n"
-            + bu.ratio_lines(ratios))
+            + _work_line(data["grounded_concurrent"]) + bu.ratio_lines(ratios))
+
+
+def _work_line(c: dict) -> str:
+    """(c)'s rounds: on/off ratio, engine steps on/off and drafts verified (offline only)."""
+    works = c.get("work") or []
+    if not works or not all(w["on"] for w in works):
+        return ""
+    cells = [f"{ratio:.3f} (steps {w['on']['steps']}/{w['off']['steps']}, "
+             f"{w['on']['drafts']} drafts)" for ratio, w in zip(c["rounds"], c["work"])]
+    return "(c) rounds on/off: " + "; ".join(cells) + "\n"
 
 
 def main(args) -> int:

@@ -156,3 +156,9 @@ def test_bench_prefix_quick(tmp_path: Path) -> None:
     # a round's prompts are new: caching on finds nothing of the previous round's
     assert all(r["on"]["cached_tokens"] == 0 for r in c["rounds"])
     assert "(median of 2 paired rounds)" in proc.stdout
+    # each round carries the engines' work: with nothing cached and no KV pressure, on and off
+    # run the same tokens through the model
+    for r in c["rounds"]:
+        on, off = r["on"]["work"], r["off"]["work"]
+        assert on["steps"] > 0 and on["scheduled_tokens"] == off["scheduled_tokens"] > 0
+    assert "engine work on/off by round" in proc.stdout

@@ -325,6 +325,8 @@ def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
         assert data[key]["off"]["output_tokens"] == data[key]["on"]["output_tokens"] > 0
         assert data[key]["ratio"] > 0
     assert len(data["grounded_concurrent"]["rounds"]) == 2  # (c): a ratio per round, the median's
+    for w in data["grounded_concurrent"]["work"]:  # and each round's engine steps (offline)
+        assert w["on"]["steps"] > 0 and w["off"]["steps"] > 0 and w["off"]["drafts"] == 0
     assert data["grounded_batch1"]["identical"] == "3/3" and data["chat_batch1"]["identical"] == "3/3"
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert "(a) input-grounded, batch 1" in proc.stdout and "drafts accepted" in proc.stdout
