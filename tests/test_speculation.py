@@ -108,11 +108,15 @@ def test_a_copy_goes_on_past_a_substituted_token():
 def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
     spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
     seq = _running(list(range(10)) + [8, 3, 4])  # [8, 3, 4] is new, [3, 4] occurred before
+    # not a whole-suffix match and nothing verified yet: one token, as after a miss
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [5, 6, 7, 8]
+    assert seq.draft_token_ids == [5]
     single = _running([1, 2, 3, 9, 9, 7, 1])  # only the last token occurred before
     spec.propose([single], waiting=0, max_num_seqs=8)
-    assert single.draft_token_ids == [2, 3, 9, 9]
+    assert single.draft_token_ids == [2]
+    assert _decode(spec, single, [2, 3]) == 1  # accepted: k tokens from now on
+    spec.propose([single], waiting=0, max_num_seqs=8)
+    assert single.draft_token_ids == [9, 9, 7, 1]  # [1, 2, 3] is a whole-suffix match
     fresh = _running([1, 2, 3])
     spec.propose([fresh], waiting=0, max_num_seqs=8)
     assert fresh.draft_token_ids == []  # no suffix occurred before, not even one token
@@ -133,6 +137,28 @@ def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
     assert seq.spec.pause == 0 and seq.spec.misses == 0
     spec.propose([seq], waiting=0, max_num_seqs=8)
     assert seq.draft_token_ids == [9]  # the copy followed, one token after the misses
+
+
+def test_copy_rows_caps_a_followed_copy_but_not_a_whole_suffix_match():
+    # on CPU a copy that is not a whole-suffix match drafts at most copy_rows after an accept
+    spec = NgramSpeculator(max_draft=7, match=3, max_rows=8, copy_rows=5)
+    source = list(range(20, 40))
+    seq = _running([1] + source + [2, 20, 21])  # [2, 20, 21] is new, [20, 21] occurred
+    assert _decode(spec, seq, [22, 23]) == 1  # first draft: one token ([22])
+    assert seq.spec.k == 5
+    # [20, 21, 22, 23] is now a whole-suffix match of length 3: it drafts all 7
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == list(range(24, 31))
+    # the model differs at the third token: the copy is followed on past it, k stays 5
+    assert spec.accept(seq, [24, 25, 99, 0, 0, 0, 0, 0]) == 2 and seq.spec.k == 5
+    _append(seq, [24, 25, 99])
+    seq.draft_token_ids = []
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [27, 28, 29, 30, 31]  # capped at copy_rows, not 7
+    # without a cap a followed copy drafts max_draft after an accept
+    uncapped = NgramSpeculator(max_draft=7, match=3, max_rows=8)
+    seq = _running([1] + source + [2, 20, 21])
+    assert _decode(uncapped, seq, [22, 23]) == 1 and seq.spec.k == 7
 
 
 def _ids(n: int, seed: int) -> list[int]:

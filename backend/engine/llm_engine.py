@@ -24,7 +24,7 @@ from backend.engine.request_check import PreparedRequest, prepare_request
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.speculation import CPU_VERIFY_ROWS, NgramSpeculator
+from backend.engine.speculation import CPU_COPY_ROWS, CPU_VERIFY_ROWS, NgramSpeculator
 from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
@@ -106,9 +106,11 @@ class LLMEngine:
         # verify rows stay within the decode buckets and, on CPU, where a step is still bound by
         # reading the weights (a step's FMAs grow with its rows; at 8 concurrent requests with
         # 3 drafts each, 32-row verify steps made bench speculation's (c) 0.95x)
+        on_cpu = self.device.type == "cpu"
         self.speculator = NgramSpeculator(
             config.speculative_ngram, config.speculative_ngram_match,
-            min(self.plan.decode_sizes[-1], CPU_VERIFY_ROWS if self.device.type == "cpu" else 1 << 30)
+            min(self.plan.decode_sizes[-1], CPU_VERIFY_ROWS if on_cpu else 1 << 30),
+            CPU_COPY_ROWS if on_cpu else None
         ) if config.speculative_ngram else None
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0

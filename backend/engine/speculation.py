@@ -24,16 +24,22 @@ came from, continued past the token where the model differed (a renamed variable
 number: one token is new, the rest of the line still follows the source); else shorter suffixes,
 down to one token. A copy runs on into itself past the context's end, so a loop of period p
 drafts whole periods. How long: a whole-suffix match gets every row the step has room for (up
-to k); the other sources get k after a draft that was at least partly accepted and a single
-token after one that was not (the measured acceptance of each source, ~0.2 for the first token
-of a copy followed after a miss against 0.6-1.0 otherwise, is why). After consecutive drafts
-with nothing accepted the sequence stops proposing for a doubling number of steps (a no-overlap
-workload then runs plain decode steps), and it resumes as soon as the token it would have
-drafted first is the one the model decodes (checked for free: nothing is verified while
-paused). Drafts are only proposed while every running sequence is decoding and nothing waits
-for admission (prompts go first, and a verify step stays a decode-only step: the fused decode
-kernels), and only while the step's rows stay within `max_rows` (on CPU 8: a step stays bound
-by reading the weights; big batches are compute-bound and gain nothing).
+to k); the other sources get `copy_rows` (k, or 5 on CPU) after a draft that was at least
+partly accepted and a single token after one that was not, or before any was verified (the
+measured acceptance of each source, ~0.2 for the first token of a copy followed after a miss
+against 0.6-1.0 otherwise, is why). Why 5 on CPU: over bench speculation's grounded prompts
+(AVX2 AMD EPYC, k 7, match 4) a followed copy's drafts were all accepted through position i
+with probability 0.73, 0.66, 0.62, 0.62, 0.55, then 0.10 and 0.01 at positions 6 and 7, and a
+verify row costs ~3.2 ms against a ~17 ms one-row step there (its GEMV multiply-adds are not
+hidden under the weight read): a row pays only if it is used with probability above ~0.2-0.4.
+After consecutive drafts with nothing accepted the sequence stops proposing for a doubling
+number of steps (a no-overlap workload then runs plain decode steps), and it resumes as soon
+as the token it would have drafted first is the one the model decodes (checked for free:
+nothing is verified while paused). Drafts are only proposed while every running sequence is
+decoding and nothing waits for admission (prompts go first, and a verify step stays a
+decode-only step: the fused decode kernels), and only while the step's rows stay within
+`max_rows` (on CPU 8: a step stays bound by reading the weights; big batches are compute-bound
+and gain nothing).
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from backend.engine.sequence import Sequence
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
 _MAX_PAUSE = 64  # steps without proposals after repeated misses, at most
 CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carry drafts
+CPU_COPY_ROWS = 5  # the most drafts, on CPU, of a copy that is not a whole-suffix match
 
 
 @dataclass
@@ -55,6 +62,7 @@ class SpecState:
     """One sequence's drafting state."""
     indices: list[NgramIndex]  # the longest n-gram first, down to single tokens
     k: int  # tokens a draft not from a whole-suffix match may have (1 after a miss)
+    copy_rows: int  # k after an accepted draft
     misses: int = 0  # consecutive verifications that accepted nothing
     pause: int = 0  # steps left without proposing
     shadow: int | None = None  # while paused: the token a draft would have started with
@@ -107,6 +115,7 @@ class NgramSpeculator:
     max_draft: int  # speculative_ngram
     match: int  # speculative_ngram_match
     max_rows: int  # decode rows (drafts included) a step may have
+    copy_rows: int | None = None  # drafts of a copy not from a whole-suffix match (None: max_draft)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -129,8 +138,9 @@ class NgramSpeculator:
                 continue
             st = seq.spec
             if st is None:
-                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)],
-                                          self.max_draft)
+                # no evidence yet: one token, as after a miss
+                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)], 1,
+                                          min(self.max_draft, self.copy_rows or self.max_draft))
             if st.pause > 0:
                 st.pause -= 1
                 shadow = st.propose(seq.token_ids, 1)
@@ -173,7 +183,7 @@ class NgramSpeculator:
         st = seq.spec
         st.advanced(a + 1)
         if a:
-            st.k, st.misses = self.max_draft, 0
+            st.k, st.misses = st.copy_rows, 0
         else:
             st.k, st.misses = 1, st.misses + 1
             if st.misses >= 2:
