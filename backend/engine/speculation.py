@@ -31,7 +31,7 @@ against 0.6-1.0 otherwise, is why). Why 5 on CPU: over bench speculation's groun
 (AVX2 AMD EPYC, k 7, match 4) a followed copy's drafts were all accepted through position i
 with probability 0.73, 0.66, 0.62, 0.62, 0.55, then 0.10 and 0.01 at positions 6 and 7, and a
 verify row costs ~3.2 ms against a ~17 ms one-row step there (its GEMV multiply-adds are not
-hidden under the weight read): a row pays only if it is used with probability above ~0.2-0.4.
+hidden under the weight read): a row pays only if it is used with probability above ~0.2.
 After consecutive drafts with nothing accepted the sequence stops proposing for a doubling
 number of steps (a no-overlap workload then runs plain decode steps), and it resumes as soon
 as the token it would have drafted first is the one the model decodes (checked for free:
@@ -62,7 +62,6 @@ class SpecState:
     """One sequence's drafting state."""
     indices: list[NgramIndex]  # the longest n-gram first, down to single tokens
     k: int  # tokens a draft not from a whole-suffix match may have (1 after a miss)
-    copy_rows: int  # k after an accepted draft
     misses: int = 0  # consecutive verifications that accepted nothing
     pause: int = 0  # steps left without proposing
     shadow: int | None = None  # while paused: the token a draft would have started with
@@ -117,6 +116,11 @@ class NgramSpeculator:
     max_rows: int  # decode rows (drafts included) a step may have
     copy_rows: int | None = None  # drafts of a copy not from a whole-suffix match (None: max_draft)
 
+    @property
+    def copy_k(self) -> int:
+        """k after an accepted draft: copy_rows (max_draft when unset), at most max_draft."""
+        return min(self.max_draft, self.copy_rows or self.max_draft)
+
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
@@ -139,8 +143,7 @@ class NgramSpeculator:
             st = seq.spec
             if st is None:
                 # no evidence yet: one token, as after a miss
-                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)], 1,
-                                          min(self.max_draft, self.copy_rows or self.max_draft))
+                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)], 1)
             if st.pause > 0:
                 st.pause -= 1
                 shadow = st.propose(seq.token_ids, 1)
@@ -183,7 +186,7 @@ class NgramSpeculator:
         st = seq.spec
         st.advanced(a + 1)
         if a:
-            st.k, st.misses = st.copy_rows, 0
+            st.k, st.misses = self.copy_k, 0
         else:
             st.k, st.misses = 1, st.misses + 1
             if st.misses >= 2:
