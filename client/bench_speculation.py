@@ -105,10 +105,12 @@ class OfflineTarget:
         return s["spec_draft_tokens"], s["spec_accepted_tokens"]
 
     def work(self) -> dict[str, int]:
-        """Engine steps and drafts so far (offline only): (c)'s rounds show how much of a gap
-        between on and off is work and how much is this VM's drift."""
+        """Engine steps, drafts and seconds in steps so far: (c)'s rounds show how much of a gap
+        between on and off is work, how much the steps' speed (this VM's drift) and how much
+        time outside the steps."""
         s = self.llm.stats
-        return {"steps": s["steps"], "drafts": s["spec_draft_tokens"]}
+        return {"steps": s["steps"], "drafts": s["spec_draft_tokens"],
+                "model_s": s["model_seconds"]}
 
     def close(self) -> None:
         self.llm.close()
@@ -144,6 +146,13 @@ class ServerTarget:
         time.sleep(0.3)  # counters refresh every 0.1 s
         return (self.server.metric("llm_spec_draft_tokens_total"),
                 self.server.metric("llm_spec_accepted_tokens_total"))
+
+    def work(self) -> dict[str, int]:
+        """As OfflineTarget.work, from the server's counters."""
+        time.sleep(0.3)  # counters refresh every 0.1 s
+        return {"steps": int(self.server.metric("llm_engine_steps_total")),
+                "drafts": int(self.server.metric("llm_spec_draft_tokens_total")),
+                "model_s": self.server.metric("llm_model_seconds_total")}
 
     def close(self) -> None:
         self._bench.stop()
@@ -197,7 +206,7 @@ def concurrent(targets: dict, rounds: list[list[str]], max_tokens: int) -> dict:
         runs.append(out)
     mid = dict(bu.median_round(runs))
     mid["rounds"] = [round(o["ratio"], 3) for o in runs]
-    mid["work"] = [{name: {k: o[name][k] for k in ("steps", "drafts") if k in o[name]}
+    mid["work"] = [{name: {k: o[name][k] for k in ("steps", "drafts", "model_s") if k in o[name]}
                     for name in ("on", "off")} for o in runs]
     return mid
 
@@ -257,12 +266,13 @@ def report(data: dict) -> str:
 
 
 def _work_line(c: dict) -> str:
-    """(c)'s rounds: on/off ratio, engine steps on/off and drafts verified (offline only)."""
+    """(c)'s rounds: on/off ratio, engine steps on/off, drafts verified, seconds in steps."""
     works = c.get("work") or []
     if not works or not all(w["on"] for w in works):
         return ""
     cells = [f"{ratio:.3f} (steps {w['on']['steps']}/{w['off']['steps']}, "
-             f"{w['on']['drafts']} drafts)" for ratio, w in zip(c["rounds"], c["work"])]
+             f"{w['on']['drafts']} drafts, in steps {w['on']['model_s']:.1f}/"
+             f"{w['off']['model_s']:.1f} s)" for ratio, w in zip(c["rounds"], c["work"])]
     return "(c) rounds on/off: " + "; ".join(cells) + "\n"
 
 

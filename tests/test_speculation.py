@@ -351,8 +351,33 @@ def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
         assert data[key]["off"]["output_tokens"] == data[key]["on"]["output_tokens"] > 0
         assert data[key]["ratio"] > 0
     assert len(data["grounded_concurrent"]["rounds"]) == 2  # (c): a ratio per round, the median's
-    for w in data["grounded_concurrent"]["work"]:  # and each round's engine steps (offline)
+    for w in data["grounded_concurrent"]["work"]:  # and each round's engine work
         assert w["on"]["steps"] > 0 and w["off"]["steps"] > 0 and w["off"]["drafts"] == 0
+        assert w["on"]["model_s"] > 0 and w["off"]["model_s"] > 0
     assert data["grounded_batch1"]["identical"] == "3/3" and data["chat_batch1"]["identical"] == "3/3"
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert "(a) input-grounded, batch 1" in proc.stdout and "drafts accepted" in proc.stdout
+
+
+def test_bench_speculation_server_work_reads_exported_counters(monkeypatch):
+    """`bench speculation --server`'s (c) rounds record each server's engine steps and drafts
+    from its counters, by names the backend exports (a renamed metric fails here, not after a
+    15-minute run), and the report prints them beside each round's ratio."""
+    from backend.triton.metrics import COUNTERS
+    from client import bench_speculation as bs
+    monkeypatch.setattr(bs.time, "sleep", lambda s: None)
+    values = {"llm_engine_steps_total": 217.0, "llm_spec_draft_tokens_total": 15.0,
+              "llm_model_seconds_total": 51.25}
+
+    class FakeServer:
+        def metric(self, name: str) -> float:
+            assert name in COUNTERS, f"{name} is not an exported counter"
+            return values[name]
+
+    target = bs.ServerTarget.__new__(bs.ServerTarget)  # no tritonserver: only its counters
+    target.server = FakeServer()
+    assert target.work() == {"steps": 217, "drafts": 15, "model_s": 51.25}
+    c = {"rounds": [0.95], "work": [{"on": {"steps": 217, "drafts": 15, "model_s": 51.25},
+                                     "off": {"steps": 219, "drafts": 0, "model_s": 49.0}}]}
+    assert bs._work_line(c) == ("(c) rounds on/off: 0.950 (steps 217/219, 15 drafts, "
+                                "in steps 51.2/49.0 s)\n")
