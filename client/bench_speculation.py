@@ -104,7 +104,7 @@ class OfflineTarget:
         s = self.llm.stats
         return s["spec_draft_tokens"], s["spec_accepted_tokens"]
 
-    def work(self) -> dict[str, int]:
+    def work(self) -> dict[str, float]:
         """Engine steps, drafts and seconds in steps so far: (c)'s rounds show how much of a gap
         between on and off is work, how much the steps' speed (this VM's drift) and how much
         time outside the steps."""
@@ -147,7 +147,7 @@ class ServerTarget:
         return (self.server.metric("llm_spec_draft_tokens_total"),
                 self.server.metric("llm_spec_accepted_tokens_total"))
 
-    def work(self) -> dict[str, int]:
+    def work(self) -> dict[str, float]:
         """As OfflineTarget.work, from the server's counters."""
         time.sleep(0.3)  # counters refresh every 0.1 s
         return {"steps": int(self.server.metric("llm_engine_steps_total")),
