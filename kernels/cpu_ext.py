@@ -100,6 +100,17 @@ def cpu_flags() -> frozenset[str]:
         return frozenset(_V4 if cap.startswith("AVX512") else _V3 if cap == "AVX2" else ())
 
 
+def cpu_vendor() -> str:
+    """The running CPU's vendor id (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ...;
+    "" where there is none to read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("vendor_id"))
+        return line.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return ""
+
+
 def can_run(v: Variant) -> bool:
     return set(v.cpu_flags) <= cpu_flags()
 

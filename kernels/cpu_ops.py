@@ -183,13 +183,19 @@ GEMM_ENV = "TPLLM_CPU_GEMM"
 
 def _gemm_library() -> str:
     """Which library runs the float32 GEMMs beyond the C++ GEMV's rows (prefill chunks, large
-    decode batches): TPLLM_CPU_GEMM (mkl | onednn), else by the CPU. Measured, 2 threads,
-    SmolLM2's prefill shapes (512 rows), each library in the same process:
+    decode batches): TPLLM_CPU_GEMM (mkl | onednn), else by the CPU: MKL on an Intel CPU with
+    AVX-512 (its default before; not measured against oneDNN there), oneDNN everywhere else.
+    MKL picks its code path by the CPU's vendor as well as its flags: on AMD it ran at about
+    AVX2 speed even with AVX-512.
+    Measured, 2 threads, SmolLM2's shapes, both libraries in one process:
+    - AMD EPYC Zen 5 (AVX-512): oneDNN 339-378 GFLOP/s at 512 rows where MKL reached 118-173,
+      208-279 vs 85-142 at 64 rows; a 1024-token prefill 0.89-1.10 s vs 1.54-1.90 s.
     - AMD EPYC Zen 3, AVX2 only: oneDNN 125-143 GFLOP/s where MKL's sgemm reached 101-136, and
       on the wide GEMMs MKL falls far behind (gate_up 576 -> 3072: 101 vs 140; lm_head 69 vs
       108; at 64 rows 51 vs 88 and 46 vs 75).
-    - AVX-512 (AMD EPYC Zen 4): MKL reached 197 GFLOP/s at 64 rows, 271 from its packed copy;
-      oneDNN not measured there yet, so MKL stays (TPLLM_CPU_GEMM=onednn to compare)."""
+    - AMD EPYC Zen 4 (AVX-512) ran MKL (197 GFLOP/s at 64 rows, 271 from its packed copy)
+      before oneDNN was measured on an AVX-512 AMD; an Intel CPU has not been measured with
+      oneDNN (TPLLM_CPU_GEMM=onednn python -m client bench offline, against the default)."""
     forced = os.environ.get(GEMM_ENV, "").strip().lower()
     if forced:
         if forced not in ("mkl", "onednn"):
@@ -197,8 +203,12 @@ def _gemm_library() -> str:
         if forced == "onednn" and not _onednn_available():
             raise ValueError(f"{GEMM_ENV}=onednn: this torch has no oneDNN linear")
         return forced
-    from kernels.cpu_ext import cpu_flags
-    return "onednn" if _onednn_available() and "avx512f" not in cpu_flags() else "mkl"
+    return "onednn" if _onednn_available() and not _mkl_is_best() else "mkl"
+
+
+def _mkl_is_best() -> bool:
+    from kernels.cpu_ext import cpu_flags, cpu_vendor
+    return cpu_vendor() == "GenuineIntel" and "avx512f" in cpu_flags()
 
 
 GEMM_LIBRARY = _gemm_library()

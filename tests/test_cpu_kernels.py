@@ -275,9 +275,20 @@ def test_gemm_library_setting(monkeypatch):
     with pytest.raises(ValueError, match="mkl or onednn"):
         cpu_ops._gemm_library()
     monkeypatch.delenv(cpu_ops.GEMM_ENV)
-    from kernels.cpu_ext import cpu_flags
-    want = "mkl" if "avx512f" in cpu_flags() or not cpu_ops._onednn_available() else "onednn"
+    from kernels.cpu_ext import cpu_flags, cpu_vendor
+    intel_avx512 = cpu_vendor() == "GenuineIntel" and "avx512f" in cpu_flags()
+    want = "mkl" if intel_avx512 or not cpu_ops._onednn_available() else "onednn"
     assert cpu_ops._gemm_library() == want
+    # by the CPU, not by this host: MKL only on an Intel CPU with AVX-512 (on AMD it ran at
+    # about AVX2 speed whatever the flags)
+    import kernels.cpu_ext as ext
+    for vendor, flags, library in (("GenuineIntel", {"avx512f", "avx2"}, "mkl"),
+                                   ("GenuineIntel", {"avx2"}, "onednn"),
+                                   ("AuthenticAMD", {"avx512f", "avx2"}, "onednn"),
+                                   ("AuthenticAMD", {"avx2"}, "onednn")):
+        monkeypatch.setattr(ext, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(ext, "cpu_flags", lambda f=flags: frozenset(f))
+        assert cpu_ops._gemm_library() == (library if cpu_ops._onednn_available() else "mkl")
 
 
 @pytest.mark.parametrize("library", GEMM_LIBRARIES)
