@@ -135,20 +135,26 @@ def test_http_generate_with_stream_true_is_refused(server):
                    "non-streaming generate request runs, so the model cannot learn that the "
                    "client left (see model_repository/README.md, Errors)")
 def test_http_generate_client_disconnect_stops_generation(server):
+    """Judged by tokens, not by a deadline: a request that keeps running for a client that is
+    gone produces all max_tokens, one that is stopped fewer. (It waited 3 s for the KV to be
+    freed: on a fast host the whole 200 tokens finished inside that, an XPASS.)"""
+    max_tokens = 400
     assert server.wait_metric(KV, lambda v: v == 0, timeout=60) == 0
     gen0 = server.metric("llm_generation_tokens_total")
     conn = http.client.HTTPConnection("localhost", server.http_port, timeout=60)
     conn.request("POST", "/v2/models/llm/generate", json.dumps(
-        {"text_input": "Tell me a story.", "max_tokens": 200, "ignore_eos": True}))
+        {"text_input": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True}))
     server.wait_metric(KV, lambda v: v > 0, timeout=30)
     time.sleep(0.5)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     t0 = time.monotonic()
     try:
-        freed = server.wait_metric(KV, lambda v: v == 0, timeout=3)
-        assert freed == 0, "still generating for a client that is gone"
-    finally:  # leave the shared server idle for the next test either way
-        server.wait_metric("llm_num_requests_running", lambda v: v == 0, timeout=120)
+        server.wait_metric("llm_num_requests_running", lambda v: v == 0, timeout=300)
+        # the counters refresh every 0.1 s: all max_tokens shows up at once, fewer by the timeout
+        generated = server.wait_metric("llm_generation_tokens_total",
+                                       lambda v: v - gen0 >= max_tokens, timeout=5) - gen0
+        assert generated < max_tokens, "generated every token for a client that is gone"
+    finally:
         print(f"generated {server.metric('llm_generation_tokens_total') - gen0:.0f} tokens "
               f"({time.monotonic() - t0:.1f}s) after the client left")
