@@ -203,10 +203,10 @@ def _gemm_library() -> str:
         if forced == "onednn" and not _onednn_available():
             raise ValueError(f"{GEMM_ENV}=onednn: this torch has no oneDNN linear")
         return forced
-    return "onednn" if _onednn_available() and not _mkl_is_best() else "mkl"
+    return "onednn" if _onednn_available() and not _mkl_by_default() else "mkl"
 
 
-def _mkl_is_best() -> bool:
+def _mkl_by_default() -> bool:
     from kernels.cpu_ext import cpu_flags, cpu_vendor
     return cpu_vendor() == "GenuineIntel" and "avx512f" in cpu_flags()
 
