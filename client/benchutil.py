@@ -85,13 +85,8 @@ def ratio_lines(ratios: Sequence[dict]) -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from kernels.cpu_ext import cpuinfo_field
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_isa_flags() -> list[str]:

@@ -86,29 +86,32 @@ def _variant(name: str) -> Variant:
                      f"{', '.join(v.name for v in variants())}")
 
 
+def cpuinfo_field(name: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with `name` (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith(name))
+        return line.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return None
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The running CPU's feature flags (Linux /proc/cpuinfo; else what torch's own dispatch
     detected, which cannot tell AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(line for line in f if line.startswith("flags"))
-        return frozenset(line.split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        import torch
-        cap = torch.backends.cpu.get_cpu_capability()
-        return frozenset(_V4 if cap.startswith("AVX512") else _V3 if cap == "AVX2" else ())
+    line = cpuinfo_field("flags")
+    if line is not None:
+        return frozenset(line.split())
+    import torch
+    cap = torch.backends.cpu.get_cpu_capability()
+    return frozenset(_V4 if cap.startswith("AVX512") else _V3 if cap == "AVX2" else ())
 
 
 def cpu_vendor() -> str:
-    """The running CPU's vendor id (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ...;
-    "" where there is none to read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(line for line in f if line.startswith("vendor_id"))
-        return line.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        return ""
+    """The running CPU's vendor id (GenuineIntel, AuthenticAMD, ...; "" where there is none to
+    read)."""
+    return cpuinfo_field("vendor_id") or ""
 
 
 def can_run(v: Variant) -> bool:
