@@ -124,13 +124,24 @@ def gemm_library() -> str:
     return cpu_ops.GEMM_LIBRARY if cpu_ops.AVAILABLE else "torch (no C++ kernels)"
 
 
+def greedy_head_info(dtype: str) -> str:
+    """How a greedy step reads the lm_head with the engine's default greedy_screening: its bf16
+    copy, then the few float32 rows that can win (exact tokens; backend/model/greedy_head.py),
+    or the whole float32 head. The floors count the whole head."""
+    from kernels import cpu_ops
+    if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops._BF16_GEMV:
+        return "screened"
+    return "full"
+
+
 def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "threading": threading_info(), "dtype": dtype,
             "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
-            "kernel_isa": kernel_isa(), "gemm": gemm_library(), "cpu_count": os.cpu_count(),
+            "kernel_isa": kernel_isa(), "gemm": gemm_library(),
+            "greedy_head": greedy_head_info(dtype), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
 
@@ -139,7 +150,8 @@ def header_line(info: dict[str, Any]) -> str:
     return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
             f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')}, GEMM "
             f"{info.get('gemm', '?')}, threading "
-            f"{info.get('threading', '?')} | {info['dtype']} | "
+            f"{info.get('threading', '?')}, greedy head {info.get('greedy_head', '?')} | "
+            f"{info['dtype']} | "
             f"{info['model_dir']} | {info['cpu']} ({info['cpu_count']} cpus; "
             f"{' '.join(info.get('cpu_isa_flags', [])) or 'no AVX2'}) | {info['date']} | "
             f"load {info['loadavg_at_start']:.2f}")

@@ -112,6 +112,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def greedy_screen_supported(weight: torch.Tensor) -> bool:
+    """Whether greedy_argmax_screened can take this lm_head weight."""
+    return (_BF16_GEMV and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.is_contiguous() and hasattr(_ext, "greedy_argmax_screened"))
+
+
+def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
+                           row_norms: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...] | None:
+    """Each row's argmax of x @ weight^T and that logit, exactly as linear + argmax give them,
+    mostly from `low` (weight's bf16 copy; csrc/cpu_gemv_bf16.cpp): (tokens [B], logits [B],
+    candidates [B]; tokens -1 for a row that is not finite). None where it does not apply."""
+    if not (_BF16_GEMV and _small_m_f32(x, weight)):
+        return None
+    return tuple(_ext.greedy_argmax_screened(x, weight, low, row_norms, eps))
+
+
 def _plain_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """x [M, K] and weight float32 and contiguous: what the C++ GEMV and oneDNN's GEMM take."""
     return (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32

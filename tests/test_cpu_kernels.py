@@ -334,3 +334,51 @@ def test_paged_prefill_attention(tokens, prefix, hq, hkv, kv_index, block_size):
     got = cpu_ops.prefill_attention(q, k, v, kc, vc, chunk, 0.125, kvi)
     torch.testing.assert_close(got, ref.prefill_attention(q, k, v, kc, vc, chunk, 0.125, kvi),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 64])
+@pytest.mark.parametrize("k, n", [(576, 4099), (100, 257), (48, 33)])
+def test_greedy_screen_is_linear_then_argmax(m, k, n):
+    """The screened greedy head (backend/model/greedy_head.py) returns, bit for bit, the token
+    and logit of linear + argmax: the first index among equal maxima included (tied rows win
+    for row 0), across scales of x; a row that is not finite is handed back (-1)."""
+    from backend.model.greedy_head import GreedyScreen
+    if not cpu_ops.greedy_screen_supported(torch.empty(2, 2)):
+        no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
+    g = torch.Generator().manual_seed(m * 7 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[n // 2] = w[n - 1] = w[3]  # three equal rows: a tie for the maximum
+    screen = GreedyScreen.build(w, cpu_ops)
+    assert screen is not None
+    for scale in (0.01, 1.0, 30.0):
+        x = torch.randn(m, k, generator=g) * scale
+        x[0] = w[3] * 50 * scale  # row 0's maximum is the three-way tie
+        full = cpu_ops.linear(x, w)
+        tokens, values, candidates = screen.screened(x, w, screen.low, screen.row_norms,
+                                                     screen.eps)
+        want = full.argmax(dim=1)
+        assert tokens[0] == 3
+        assert torch.equal(tokens, want)
+        assert torch.equal(values, full.gather(1, want[:, None])[:, 0])
+        assert bool((candidates >= 1).all()) and int(candidates[0]) >= 3
+        logits = screen.argmax_logits(x, w, lambda v: cpu_ops.linear(v, w))
+        assert torch.equal(logits.argmax(dim=1), want)
+        assert torch.equal(logits.gather(1, want[:, None]), full.gather(1, want[:, None]))
+        assert int(torch.isfinite(logits).sum()) == m  # one logit per row, -inf elsewhere
+    x = torch.randn(m, k, generator=g)
+    x[m - 1, 5] = float("nan")
+    tokens, _, _ = screen.screened(x, w, screen.low, screen.row_norms, screen.eps)
+    assert tokens[m - 1] == -1 and torch.equal(tokens[:m - 1], cpu_ops.linear(x, w)[:m - 1].argmax(1))
+    logits = screen.argmax_logits(x, w, lambda v: cpu_ops.linear(v, w))
+    torch.testing.assert_close(logits[m - 1], cpu_ops.linear(x[m - 1:], w)[0], rtol=0, atol=0,
+                               equal_nan=True)  # the full row, NaNs and all
+
+
+def test_greedy_screen_refuses_what_it_cannot_bound():
+    from backend.model.greedy_head import GreedyScreen
+    w = torch.randn(40, 64)
+    assert GreedyScreen.build(w.bfloat16(), cpu_ops) is None  # bf16 head: nothing to save
+    bad = w.clone()
+    bad[7, 3] = float("inf")
+    assert GreedyScreen.build(bad, cpu_ops) is None
+    assert GreedyScreen.build(w, ref) is None  # the torch reference has no screen

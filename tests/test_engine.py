@@ -224,3 +224,30 @@ def test_weights_not_packed_when_memory_is_short(tiny_text_model, monkeypatch):
     with LLM(model=str(tiny_text_model), num_kv_blocks=64, block_size=8, max_num_seqs=40) as llm:
         assert llm.engine.runner.packed_weight_bytes == 0
         assert llm.generate("Hello", SamplingParams(max_tokens=2)).pop().token_ids
+
+
+def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model):
+    """Greedy-only steps read the lm_head's bf16 copy and recompute only the rows that can win
+    (backend/model/greedy_head.py): the same tokens as the full float32 head, batched, with
+    speculation's verify rows, and beside requests that need every logit (which turn it off
+    for their steps, with the same results as without it)."""
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8)
+    prompts = ["The quick brown fox", "Once upon a time there", "1 2 3 4 1 2 3 4 1 2"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+
+    def run(**extra):
+        with LLM(**kw, **extra) as llm:
+            outs = llm.generate(prompts, greedy) + llm.generate(prompts, [greedy, logprobs, greedy])
+            return [(o.token_ids, o.cumulative_logprob) for o in outs], \
+                llm.engine.runner.model.lm_head.screen
+
+    want, off = run(greedy_screening=False)
+    assert off is None
+    got, screen = run()
+    if screen is None:
+        no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
+    assert got == want
+    assert screen.rows >= 3 * 11 and screen.candidates >= screen.rows
+    spec, screen = run(speculative_ngram=3)
+    assert [t for t, _ in spec] == [t for t, _ in want] and screen.rows > 0

@@ -251,3 +251,21 @@ def test_top_of_uniform_range_never_picks_masked_token(monkeypatch):
     assert out.token_ids == [4]
     out = Sampler(set(), seed=0)(torch.tensor([[0.0, 0.3, 0.0, 5.0, 0.1]]), [row(seed=1, top_k=2)])
     assert out.token_ids == [3]
+
+
+def test_argmax_only_rows():
+    """A step may give rows only their maximum logit (the screened greedy head) when every row
+    is greedy and nothing else reads its logits."""
+    s = Sampler({2})
+    plain = row(temperature=0)
+    assert s.argmax_only([plain, row(temperature=0, max_tokens=3)])
+    assert not s.argmax_only([])
+    for other in (row(temperature=0.7), row(temperature=0, logprobs=True),
+                  row(temperature=0, top_logprobs=2, logprobs=True),
+                  row(temperature=0, repetition_penalty=1.2), row(temperature=0, presence_penalty=0.5),
+                  row(prompt=[5, 6], generated=[7], temperature=0, min_tokens=3)):
+        assert not s.argmax_only([plain, other]), other.params
+    assert s.argmax_only([row(prompt=[5, 6], generated=[7, 8, 9], temperature=0, min_tokens=3)])
+    guided = row(temperature=0)
+    guided.guided = object()  # a started grammar: masked logits
+    assert not s.argmax_only([plain, guided])

@@ -86,6 +86,8 @@ class LLMEngine:
             model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
                                       dtype, self.device, self.packed_rows)
+            if config.greedy_screening and tp == 1:
+                model.lm_head.enable_greedy_screening()
             if self.uses_cuda_graphs:  # captured per bucket by warmup, before ready
                 self.runner.enable_decode_graphs(self.plan.decode_sizes, True, self._captured)
             if self.group is not None:
@@ -259,6 +261,9 @@ class LLMEngine:
                              return_when=FIRST_COMPLETED)
             return outputs
         inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
+        rows = [r for seq in sampling for r in (
+            self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
+        inputs.argmax_only = self.sampler.argmax_only(rows)
         if inputs.shape_key not in self.warm_shapes:
             self.cold_path.record("new_shape", str(inputs.shape_key))
             self.warm_shapes.add(inputs.shape_key)
@@ -273,8 +278,6 @@ class LLMEngine:
             seq.collective_seconds += comm_s
         appended = 0
         if sampling:
-            rows = [r for seq in sampling for r in (
-                self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
             sampled = self.sampler(logits, rows)
             i = 0
             for seq in sampling:  # a verified sequence owns 1 + drafts consecutive rows

@@ -91,7 +91,8 @@ class ModelRunner:
             return self.decode_graphs.run(inputs)
         ids, idx, *rest = self.inputs.to_device(inputs.input_ids, inputs.logits_indices,
                                                 *_meta_arrays(inputs))
-        return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx)
+        return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx,
+                          inputs.argmax_only)
 
     def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
         """Attention inputs of a step from its _meta_arrays, already on the device."""

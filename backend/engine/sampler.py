@@ -83,6 +83,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits
 
 
+def _min_tokens_pending(r: SamplingRow) -> bool:
+    return bool(r.params.min_tokens) and len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
                      eos_token_ids: set[int] | frozenset[int]) -> torch.Tensor:
     """Forbid EOS and stop_token_ids while fewer than min_tokens tokens have been generated."""
@@ -91,7 +95,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
     t_i: list[int] = []
     for i, r in enumerate(rows):
         p = r.params
-        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+        if _min_tokens_pending(r):
             banned = [t for t in set(eos_token_ids).union(p.stop_token_ids) if 0 <= t < vocab]
             r_i += [i] * len(banned)
             t_i += banned
@@ -203,6 +207,16 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+
+    def argmax_only(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether every row takes the argmax of its raw logits and nothing else reads them:
+        greedy, no logprobs, penalties or grammar, min_tokens reached. The model may then give
+        each row its maximum alone (backend/model/greedy_head.py)."""
+        return bool(rows) and all(
+            r.params.temperature < _GREEDY_EPS and not r.params.logprobs
+            and r.params.top_logprobs is None and not _needs_penalties(r.params)
+            and getattr(r, "guided", None) is None and not _min_tokens_pending(r)
+            for r in rows)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick one token per row. ``logits`` [B, V] float32 is modified in place."""

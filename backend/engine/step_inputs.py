@@ -27,6 +27,7 @@ class StepInputs:
     decode_context_lens: np.ndarray | None = None  # [num_decodes]
     prefills: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # start, len, ctx, blocks
     num_padding: int = 0  # trailing rows that attend to nothing (steps with prompt chunks)
+    argmax_only: bool = False  # every sampling row takes its argmax only (Sampler.argmax_only)
 
     @property
     def num_tokens(self) -> int:

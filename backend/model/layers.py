@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.model.greedy_head import GreedyScreen
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
 from kernels import reference
@@ -132,6 +133,23 @@ class ParallelLMHead(DirectModule):
         local = _linear_for(self.ops, x, self.weight, self.ctx.gather_slot)
         logits = self.ctx.gather_first(local, self.shard_sizes)
         return None if logits is None else logits.float()
+
+    # Greedy steps without reading the whole float32 head (see greedy_head.py).
+    screen: GreedyScreen | None = None
+
+    def enable_greedy_screening(self) -> bool:
+        """Keep what argmax_logits needs (a bf16 copy of the weight: half its bytes again), if
+        the kernels can: one rank, float32. Returns whether it is on."""
+        if self.ctx.world_size == 1:
+            self.screen = GreedyScreen.build(self.weight, self.ops)
+        return self.screen is not None
+
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """For rows that only take the argmax: [B, V] float32 holding each row's maximum logit,
+        bit for bit self(x)'s, at its argmax (the first of equal maxima) and -inf elsewhere."""
+        if self.screen is None:
+            raise RuntimeError("argmax_logits: greedy screening is not enabled")
+        return self.screen.argmax_logits(x, self.weight, self)
 
 
 class RMSNorm(DirectModule):

@@ -117,10 +117,14 @@ class LlamaForCausalLM(DirectModule):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+                logits_indices: torch.Tensor | None, argmax_only: bool = False
+                ) -> torch.Tensor | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
         (the last token of each sequence that samples this step), or [0, V] when none.
-        Under tensor parallelism only rank 0 gets logits; the others get None."""
+        Under tensor parallelism only rank 0 gets logits; the others get None.
+        argmax_only: every such row only takes its argmax; with greedy screening on
+        (lm_head.enable_greedy_screening) a row's logits are then its exact maximum at its
+        argmax and -inf elsewhere (backend/model/greedy_head.py)."""
         x = self.embed_tokens(input_ids)
         residual = None
         if not self._fused_step(x, meta):
@@ -140,6 +144,8 @@ class LlamaForCausalLM(DirectModule):
         # Norm and project only the rows that sample: prefill rows need no logits.
         x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.norm(x, residual)
+        if argmax_only and self.lm_head.screen is not None:
+            return self.lm_head.argmax_logits(x)
         return self.lm_head(x)
 
     def _tp_decode_stack(self, x: torch.Tensor, meta: AttentionMetadata,

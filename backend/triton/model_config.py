@@ -25,6 +25,7 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "device": (str, "device"),  # usually set by the instance kind (placement.engine_device)
     "cuda_graphs": (bool, "cuda_graphs"),
     "cpu_packed_gemm": (bool, "cpu_packed_gemm"),
+    "greedy_screening": (bool, "greedy_screening"),
     "enable_prefix_caching": (bool, "enable_prefix_caching"),
     "speculative_ngram": (int, "speculative_ngram"),
     "speculative_ngram_match": (int, "speculative_ngram_match"),

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "small_m_gemm.h"
@@ -80,4 +82,75 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
 #endif
   if (bias.has_value() && bias->defined()) y.add_(*bias);  // in fp32, one rounding below
   return y.to(torch::kBFloat16);
+}
+
+// Greedy decoding over a float32 lm_head without reading all of it (ParallelLMHead.argmax_logits):
+// every row's argmax of x @ weight^T and that logit, bit for bit what small_m_linear computes
+// and argmax picks (the first index among equal maxima), read mostly from `low`, weight's bf16
+// copy (half the bytes: a tenth of SmolLM2's decode step).
+//   1. approx = x @ low^T in float32 (the bf16 GEMV above, x rounded to bf16 for AVX512-BF16).
+//   2. Each approx[n] is within bound[n] = eps * |x| * row_norms[n] (+ a denormal margin) of the
+//      exact logit (Cauchy-Schwarz over the roundings: eps covers x's and the weight's bf16
+//      roundings and both float32 sums; the caller derives it). So no index can beat
+//      lo = max_n(approx[n] - bound[n]), and only those with approx[n] + bound[n] >= lo can be
+//      the exact maximum (every index of a tie included).
+//   3. Those (SmolLM2: 1-9 of 49,152) get their exact logit from the float32 row, with the
+//      tile small_m_linear runs (each output's sum does not depend on which rows are computed).
+// Returns {tokens int64 [B], logits float32 [B], candidates int64 [B]}; tokens -1 where x's row
+// is not finite (the caller computes that row in full: the bound assumes finite values).
+std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
+                                                  torch::Tensor low, torch::Tensor row_norms,
+                                                  double eps) {
+  TORCH_CHECK(bf16_gemv_supported(), "greedy_argmax_screened: needs AVX2 or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && low.sizes() == weight.sizes() &&
+                  x.size(1) == weight.size(1) && row_norms.dim() == 1 &&
+                  row_norms.size(0) == weight.size(0),
+              "greedy_argmax_screened: x [B, K], weight and low [V, K], row_norms [V]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+                  low.scalar_type() == torch::kBFloat16 &&
+                  row_norms.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  weight.is_contiguous() && low.is_contiguous() && row_norms.is_contiguous(),
+              "greedy_argmax_screened: contiguous x, weight, row_norms float32 and low bf16");
+  const int64_t B = x.size(0), K = x.size(1), V = weight.size(0);
+  auto approx = torch::empty({B, V}, x.options());
+  const auto* lp = reinterpret_cast<const uint16_t*>(low.data_ptr());
+  float* ap = approx.data_ptr<float>();
+#if defined(__AVX512BF16__)
+  const auto xb = x.to(torch::kBFloat16);
+  small_m::gemm<Bf16Tile>(lp, reinterpret_cast<const uint16_t*>(xb.data_ptr()), B, K, V, ap);
+#elif defined(TPLLM_SIMD16)
+  small_m::gemm<small_m::FmaTile>(lp, x.data_ptr<float>(), B, K, V, ap);
+#endif
+  auto tokens = torch::full({B}, -1, torch::kInt64);
+  auto values = torch::zeros({B}, x.options());
+  auto candidates = torch::zeros({B}, torch::kInt64);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* rn = row_norms.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  int64_t* cp = candidates.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = xp + b * K;
+    double sq = 0.0;
+    for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
+    if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
+    // flushed bf16 denormals (vdpbf16ps) err by < K * 2^-126 * max |factor|: far below this
+    constexpr double kDenormalMargin = 1e-20;
+    const double s = eps * std::sqrt(sq);
+    const float* a = ap + b * V;
+    double lo = -HUGE_VAL;
+    for (int64_t n = 0; n < V; ++n) lo = std::max(lo, a[n] - s * rn[n] - kDenormalMargin);
+    int64_t best = -1, seen = 0;
+    float best_value = 0.f;
+    for (int64_t n = 0; n < V; ++n) {
+      if (a[n] + s * rn[n] + kDenormalMargin < lo) continue;
+      float y;
+      small_m::rows_by_inputs<small_m::FmaTile, 1>(wp + n * K, xr, 1, K, &y, 1);
+      ++seen;
+      if (best < 0 || y > best_value) best = n, best_value = y;  // ascending n: first of a tie
+    }
+    tp[b] = best, vp[b] = best_value, cp[b] = seen;
+  }
+  return {tokens, values, candidates};
 }

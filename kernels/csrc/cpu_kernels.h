@@ -29,6 +29,10 @@ void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
 bool bf16_gemv_supported();
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias);
+// every row's argmax of x @ weight^T and its logit, mostly from weight's bf16 copy (cpu_gemv_bf16.cpp)
+std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
+                                                  torch::Tensor low, torch::Tensor row_norms,
+                                                  double eps);
 // shm_all_reduce with the sum written to `out` (x itself allowed: a fused kernel's own partial,
 // no allocation); returns whether every rank arrived within the spins (else out is untouched)
 bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,
