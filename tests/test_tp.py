@@ -77,6 +77,16 @@ def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
         sp = SamplingParams(temperature=0, max_tokens=24)
         outs = llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:1], [sp] * len(SMOL_PROMPTS) + [GUIDED])
         assert [o.token_ids for o in outs] == tokens  # the constrained last one too
+        # greedy-only steps screened each rank's vocabulary slice (greedy_head.py)
+        screen = llm.engine.runner.model.lm_head.screen
+        if screen is None:
+            no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
+        assert screen.rows > 0 and llm.engine.group.screening_everywhere
+        # a rank that cannot screen (it said so when ready): no screened steps, same tokens
+        llm.engine.group.screening_everywhere, rows = False, screen.rows
+        again = llm.generate(SMOL_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24))
+        assert [o.token_ids for o in again] == tokens[:2] and screen.rows == rows
+        llm.engine.group.screening_everywhere = True
         assert outs[-1].finish_reason == "stop" and json.loads(outs[-1].text)["year"] >= 1000
         assert all(o.metrics["collective_s"] > 0 for o in outs)
         ours = _prompt_logits(llm, probe)

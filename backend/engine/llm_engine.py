@@ -86,7 +86,7 @@ class LLMEngine:
             model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
                                       dtype, self.device, self.packed_rows)
-            if config.greedy_screening and tp == 1:
+            if config.greedy_screening:  # every TP rank alike (WorkerSpec.greedy_screening)
                 model.lm_head.enable_greedy_screening()
             if self.uses_cuda_graphs:  # captured per bucket by warmup, before ready
                 self.runner.enable_decode_graphs(self.plan.decode_sizes, True, self._captured)
@@ -243,6 +243,13 @@ class LLMEngine:
             outs.append(out)
         return outs
 
+    @property
+    def _screens_greedy(self) -> bool:
+        """Whether argmax-only steps take the greedy screen (greedy_head.py): rank 0 has it and,
+        under TP, so has every other rank (they said so when ready)."""
+        return self.runner.model.lm_head.screen is not None and (
+            self.group is None or self.group.screening_everywhere)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -263,7 +270,7 @@ class LLMEngine:
         inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
         rows = [r for seq in sampling for r in (
             self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
-        inputs.argmax_only = self.sampler.argmax_only(rows)
+        inputs.argmax_only = self._screens_greedy and self.sampler.argmax_only(rows)
         if inputs.shape_key not in self.warm_shapes:
             self.cold_path.record("new_shape", str(inputs.shape_key))
             self.warm_shapes.add(inputs.shape_key)

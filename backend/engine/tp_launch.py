@@ -33,6 +33,7 @@ def launch_group(c: EngineConfig, cfg: ModelConfig, model_dir: Path, num_blocks:
         block_size=c.block_size, max_model_len=max_model_len, num_threads=threads,
         cpu=0 if c.pin_cpus else None, device=str(device),
         cuda_graphs=cuda_graphs, decode_sizes=decode_sizes, packed_rows=packed_rows,
+        greedy_screening=c.greedy_screening,
         master_addr=addr, master_port=port, gloo_host=addr,
         collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0),
         c.torch_dtype, local_ranks=c.tp_local_ranks)

@@ -7,6 +7,8 @@ no logprobs, penalties, grammar or min_tokens: Sampler.argmax_only) needs one lo
 logit from a bf16 copy of the head, bounds each one's distance from the exact float32 logit,
 and recomputes in float32 only the few whose bound reaches the best lower bound (SmolLM2: 1-9).
 The token and its logit are bit for bit what the full head and argmax give, ties included.
+Under TP each rank screens its vocabulary slice and rank 0 gathers one (token, logit) pair per
+rank instead of the logits (ParallelLMHead.argmax_logits).
 
 The bound: with u = 2^-8 (bf16's unit roundoff) and x rounded to bf16 too (AVX512-BF16),
 |approx_n - exact_n| <= (2u + u^2 + 2 K 2^-24) * sum_k |x_k w_nk| <= eps |x| |w_n|
@@ -57,20 +59,34 @@ class GreedyScreen:
             row_norms = torch.cat([w.double().norm(dim=1).float() for w in weight.split(8192)])
         return cls(low, row_norms, screening_eps(weight.shape[1]), screened)
 
-    def argmax_logits(self, x: torch.Tensor, weight: torch.Tensor,
-                      full: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """[B, V]: each row's exact maximum logit at its argmax, -inf elsewhere; a row the
-        screen cannot take (not finite, or more rows than the kernel's) is `full(x)`'s."""
+    def best(self, x: torch.Tensor, weight: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's argmax over `weight`'s rows and its exact logit (tokens -1 for a row that
+        is not finite: the bound needs finite values); None where the kernel does not take x
+        (more rows than its GEMV's). Which rows fail depends on x alone: under TP every rank
+        (same x) fails the same ones."""
         got = self.screened(x, weight, self.low, self.row_norms, self.eps)
         if got is None:
-            return full(x)
+            return None
         tokens, values, candidates = got
         self.rows += x.shape[0]
         self.candidates += int(candidates.sum())
-        out = np.full((x.shape[0], weight.shape[0]), -np.inf, dtype=np.float32)
-        rows = np.arange(x.shape[0])
-        out[rows, tokens.numpy()] = values.numpy()  # a -1 token writes the last column...
-        logits = torch.from_numpy(out)
-        for r in (tokens < 0).nonzero().flatten().tolist():  # ...then replaced by the full row
-            logits[r] = full(x[r:r + 1])[0]
-        return logits
+        return tokens, values
+
+
+def argmax_logits(tokens: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32: values[b] at tokens[b], -inf elsewhere (a -1 token's row: all -inf,
+    for the caller to replace)."""
+    out = np.full((tokens.shape[0], vocab), -np.inf, dtype=np.float32)
+    ok = (tokens >= 0).numpy()
+    out[np.flatnonzero(ok), tokens.numpy()[ok]] = values.numpy()[ok]
+    return torch.from_numpy(out)
+
+
+def pick_across_ranks(pairs: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (global token, logit) per row, [B, 2 * world] in rank order (the vocabulary
+    slices ascend with the rank) -> the row's argmax over the whole vocabulary: the highest
+    logit, the lowest rank among equal ones (so the first index, as argmax)."""
+    pairs = pairs.view(pairs.shape[0], world, 2)
+    rank = pairs[..., 1].argmax(dim=1, keepdim=True)  # the first of equal maxima
+    return pairs[..., 0].gather(1, rank)[:, 0].long(), pairs[..., 1].gather(1, rank)[:, 0]

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.model.greedy_head import GreedyScreen
+from backend.model.greedy_head import GreedyScreen, pick_across_ranks
+from backend.model.greedy_head import argmax_logits as greedy_argmax_logits
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
 from kernels import reference
@@ -139,17 +140,37 @@ class ParallelLMHead(DirectModule):
 
     def enable_greedy_screening(self) -> bool:
         """Keep what argmax_logits needs (a bf16 copy of the weight: half its bytes again), if
-        the kernels can: one rank, float32. Returns whether it is on."""
-        if self.ctx.world_size == 1:
-            self.screen = GreedyScreen.build(self.weight, self.ops)
+        the kernels can (float32). Returns whether it is on."""
+        self.screen = GreedyScreen.build(self.weight, self.ops)
         return self.screen is not None
 
-    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """For rows that only take the argmax: [B, V] float32 holding each row's maximum logit,
-        bit for bit self(x)'s, at its argmax (the first of equal maxima) and -inf elsewhere."""
+        bit for bit self(x)'s, at its argmax (the first of equal maxima) and -inf elsewhere
+        (rank 0; other ranks None). Under TP each rank screens its vocabulary slice and rank 0
+        takes the best of the ranks' (token, logit) pairs: every rank must screen the step
+        (rank 0 asks for it only when all of them can: TPGroup.screening_everywhere)."""
         if self.screen is None:
             raise RuntimeError("argmax_logits: greedy screening is not enabled")
-        return self.screen.argmax_logits(x, self.weight, self)
+        got = self.screen.best(x, self.weight)
+        if got is None:  # the same on every rank (same rows)
+            return self(x)
+        tokens, values = got
+        # rows the screen handed back (not finite; the same rows on every rank): in full, every
+        # rank taking part in each row's gather in the same order
+        full_rows = {r: self(x[r:r + 1]) for r in (tokens < 0).nonzero().flatten().tolist()}
+        world = self.ctx.world_size
+        if world > 1:
+            start = sum(self.shard_sizes[:self.ctx.rank])
+            token = torch.where(tokens >= 0, tokens + start, tokens).to(values.dtype)
+            pairs = self.ctx.gather_first(torch.stack([token, values], dim=1), [2] * world)
+            if pairs is None:  # not rank 0
+                return None
+            tokens, values = pick_across_ranks(pairs, world)
+        logits = greedy_argmax_logits(tokens, values, sum(self.shard_sizes))
+        for r, row in full_rows.items():
+            logits[r] = row[0]
+        return logits
 
 
 class RMSNorm(DirectModule):

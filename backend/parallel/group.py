@@ -49,6 +49,7 @@ class TPGroup:
         ranks `local_ranks`.. (rank 0 is local) join from other hosts."""
         self.spec, self.dtype = spec, dtype
         self.world = spec.world
+        self.screening_everywhere = False  # set by wait_ready
         self.local_ranks = local_ranks or spec.world
         self._authkey = b""
         if self.local_ranks < self.world:
@@ -153,9 +154,12 @@ class TPGroup:
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
+        # every worker screens greedy steps (greedy_head.py), as they said when ready
+        self.screening_everywhere = True
         for rank, conn in enumerate(self._all_conns(), start=1):
             if rank >= self.local_ranks:
-                self._wait_remote_ready(rank, conn, deadline)
+                detail = self._wait_remote_ready(rank, conn, deadline)
+                self.screening_everywhere &= bool((detail or {}).get("greedy_screening"))
                 continue
             status, started = STARTED, False
             while status == STARTED:
@@ -172,6 +176,7 @@ class TPGroup:
                 started = True
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            self.screening_everywhere &= bool((detail or {}).get("greedy_screening"))
 
     def _startup_failure(self, rank: int, started: bool = False) -> RuntimeError:
         """Why local rank `rank`, found dead during start-up, is gone: its own error report if
@@ -192,7 +197,7 @@ class TPGroup:
         return RuntimeError(f"{msg} before running any worker code: {_bootstrap_hint()}")
 
     @staticmethod
-    def _wait_remote_ready(rank: int, conn: Connection, deadline: float) -> None:
+    def _wait_remote_ready(rank: int, conn: Connection, deadline: float) -> dict | None:
         status = STARTED
         while status == STARTED:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -204,6 +209,7 @@ class TPGroup:
                                    "start-up; its node launcher's log says why") from None
         if status != "ready":
             raise RuntimeError(f"tensor-parallel rank {rank} (remote) failed to start: {detail}")
+        return detail
 
     @property
     def worker_pids(self) -> list[int]:

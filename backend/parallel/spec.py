@@ -36,6 +36,7 @@ class WorkerSpec:
     cuda_graphs: bool = False
     decode_sizes: tuple[int, ...] = ()
     packed_rows: int = 0  # CPU: linears keep a packed weight copy for batches of this many rows
+    greedy_screening: bool = False  # CPU float32: the lm_head slice's bf16 copy (greedy_head.py)
     # multi-host: rank 0's TCP store instead of the file store, gloo for every collective
     master_addr: str = ""
     master_port: int = 0

@@ -45,6 +45,8 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     model = load_model(model_dir, cfg, ctx, dtype, device)
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype,
                          device, spec.packed_rows)
+    if spec.greedy_screening:  # as rank 0's (a rank whose kernels cannot has none: see below)
+        model.lm_head.enable_greedy_screening()
     if spec.cuda_graphs:  # captured at the same warmup steps as rank 0's
         runner.enable_decode_graphs(spec.decode_sizes, use_graphs=True)
     runner.keepalive = (store, comm)  # the store client must live as long as the group
@@ -70,7 +72,9 @@ def worker_main(spec: WorkerSpec, conn, parent_pid: int) -> None:
     except BaseException as e:  # report, don't hang rank 0
         conn.send(("error", f"{type(e).__name__}: {e}"))
         exit_now(0)  # as a finished rank: a node launcher must not restart it
-    conn.send(("ready", None))
+    # what rank 0 must know of this rank: whether it screens greedy steps (greedy_head.py; rank
+    # 0 asks for screened steps only if every rank does)
+    conn.send(("ready", {"greedy_screening": runner.model.lm_head.screen is not None}))
     spin_s = 0.0 if ranks_outnumber_cores(spec.world) else NEXT_STEP_SPIN_S
     while True:
         try:
