@@ -9,9 +9,9 @@ Workloads (text prompts; greedy with ignore_eos, so both settings do the same de
  (c) no shared prefix: N random prompts of I tokens, O' output tokens each, all in flight at
      once: what caching costs when nothing hits. A few percent is this VM's noise between two
      runs, so (c) runs R rounds (new prompts each), on and off paired, the order alternating;
-     the ratio is the median of the rounds' ratios. Offline, each round also records the
-     engines' work (steps, tokens through the model, preemptions): the same work on and off
-     means a wall-time gap is drift, not a cost of caching.
+     the ratio is the median of the rounds' ratios. Each round also records the engines' work
+     (steps, tokens through the model, preemptions; through the server from its counters): the
+     same work on and off means a wall-time gap is drift, not a cost of caching.
 Each workload gets its own system prompt / texts, so no run finds another's prefix cached.
 Offline: two engines in this process (caching on, off), each behind AsyncEngine (its own thread,
 as in the server); --server: one tritonserver per setting, both started. Each workload (each
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from client import benchutil as bu
+from client.server import COUNTERS_SETTLE_S
 
 WORDS = ("river harbor lantern copper meadow signal orbit basket engine violet thunder pocket "
          "garden silver market ladder winter canyon pepper rocket marble forest window candle "
@@ -123,10 +124,16 @@ class ServerTarget:
                       int(out.get("num_cached_tokens", 0)), out["text"])
 
     def counters(self) -> tuple[float, float]:
-        # the counters are refreshed from the engine every 0.1 s: let the last request land
-        time.sleep(0.3)
+        time.sleep(COUNTERS_SETTLE_S)  # the last request's steps reach the counters
         return (self.server.metric("llm_prefix_cache_queries_total"),
                 self.server.metric("llm_prefix_cache_hits_total"))
+
+    def work(self) -> dict[str, int]:
+        """As OfflineTarget.work, from the server's counters (read right after counters(),
+        which waited for them to refresh)."""
+        return {"steps": int(self.server.metric("llm_engine_steps_total")),
+                "scheduled_tokens": int(self.server.metric("llm_engine_scheduled_tokens_total")),
+                "preemptions": int(self.server.metric("llm_preemptions_total"))}
 
     def close(self) -> None:
         self._bench.stop()
@@ -163,7 +170,7 @@ def multi_turn(target, openings: list[str], turns: list[list[str]], max_tokens: 
 
 def _timed(target, clients, results) -> dict:
     q0, h0 = target.counters()
-    w0 = target.work() if hasattr(target, "work") else None  # offline only
+    w0 = target.work()
     threads = [threading.Thread(target=c) for c in clients]
     t0 = time.perf_counter()
     for t in threads:
@@ -172,7 +179,7 @@ def _timed(target, clients, results) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     q1, h1 = target.counters()
-    work = {k: v - w0[k] for k, v in target.work().items()} if w0 is not None else None
+    work = {k: v - w0[k] for k, v in target.work().items()}
     rs = results()
     assert all(r is not None for r in rs), "a request failed"
     ttft = bu.percentiles([r.ttft_s for r in rs], (50, 90))
@@ -294,7 +301,7 @@ def report(data: dict, args) -> str:
 
 
 def _work_line(results: dict) -> list[str]:
-    """The no-prefix workload's engine work on / off per round (offline runs only)."""
+    """The no-prefix workload's engine work on / off per round."""
     name = next((n for n in results if n.startswith("(c)")), None)
     rounds = [r for r in results[name]["rounds"] if r["on"].get("work")] if name else []
     if not rounds:

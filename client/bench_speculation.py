@@ -19,6 +19,7 @@ import threading
 import time
 
 from client import benchutil as bu
+from client.server import COUNTERS_SETTLE_S
 
 WORDS = ("river harbor lantern copper meadow signal orbit basket engine violet thunder pocket "
          "garden silver market ladder winter canyon pepper rocket marble forest window candle "
@@ -143,13 +144,13 @@ class ServerTarget:
         return [o["text"] for o in out]
 
     def spec_counts(self) -> tuple[float, float]:
-        time.sleep(0.3)  # counters refresh every 0.1 s
+        time.sleep(COUNTERS_SETTLE_S)  # the last request's steps reach the counters
         return (self.server.metric("llm_spec_draft_tokens_total"),
                 self.server.metric("llm_spec_accepted_tokens_total"))
 
     def work(self) -> dict[str, float]:
         """As OfflineTarget.work, from the server's counters."""
-        time.sleep(0.3)  # counters refresh every 0.1 s
+        time.sleep(COUNTERS_SETTLE_S)  # the last request's steps reach the counters
         return {"steps": int(self.server.metric("llm_engine_steps_total")),
                 "drafts": int(self.server.metric("llm_spec_draft_tokens_total")),
                 "model_s": self.server.metric("llm_model_seconds_total")}

@@ -17,6 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = float(os.environ.get("TPLLM_TEST_SERVER_TIMEOUT", "240"))
+# How long after its last step a server's llm_* counters are sure to include it: the response
+# thread refreshes them every 0.1 s while busy and, idle, after each 0.5 s wait on its queue
+# (backend/triton/responder.py). A 0.3 s wait read a previous round's tail as this one's.
+COUNTERS_SETTLE_S = 1.0
 
 
 def free_ports(n: int) -> list[int]:

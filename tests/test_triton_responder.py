@@ -165,12 +165,14 @@ def test_stop_fails_what_is_still_open():
 
 def test_gauges_refresh_only_on_change():
     metrics = Metrics(FakePB, {"model": "llm"}, interval=0)
-    snap = {"llm_kv_cache_blocks_used": 5, "steps": 10, "sampled_tokens": 40}
+    snap = {"llm_kv_cache_blocks_used": 5, "steps": 10, "sampled_tokens": 40,
+            "scheduled_tokens": 300}
     metrics.refresh(snap)
-    metrics.refresh({**snap, "steps": 12, "sampled_tokens": 48})
+    metrics.refresh({**snap, "steps": 12, "sampled_tokens": 48, "scheduled_tokens": 302})
     assert metrics.gauge["llm_kv_cache_blocks_used"].value == 5
     assert metrics.counter["llm_engine_steps_total"].value == 12
     assert metrics.counter["llm_engine_sampled_tokens_total"].value == 48
+    assert metrics.counter["llm_engine_scheduled_tokens_total"].value == 302
 
 
 def test_collective_time_is_a_counter():

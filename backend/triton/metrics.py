@@ -26,6 +26,8 @@ COUNTERS = {
     "llm_engine_steps_total": "Engine steps (one forward pass each)",
     "llm_engine_sampled_tokens_total": "Tokens appended by engine steps (per-step batch sizes "
                                        "summed; accepted speculative drafts included)",
+    "llm_engine_scheduled_tokens_total": "Tokens run through the model by engine steps (prompt "
+                                         "chunks, decode rows, draft tokens)",
     "llm_preemptions_total": "Sequences preempted for lack of KV blocks",
     "llm_cold_path_events_total": "Work after READY that warmup should have done (steady state: 0)",
     "llm_model_seconds_total": "Engine time in steps: scheduling, input prep and forward passes",
@@ -97,7 +99,8 @@ class Metrics:
     # ---- engine snapshot (response thread, rate-limited) ------------------------------------
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
-        (steps, sampled_tokens, preemptions, cold_path, model_seconds, collective_seconds,
+        (steps, sampled_tokens, scheduled_tokens, preemptions, cold_path, model_seconds,
+        collective_seconds,
         prefix_cache_queries, prefix_cache_hits, spec_draft_tokens, spec_accepted_tokens)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
@@ -110,6 +113,7 @@ class Metrics:
                 self._last_gauges[name] = v
         for key, name in (("steps", "llm_engine_steps_total"),
                           ("sampled_tokens", "llm_engine_sampled_tokens_total"),
+                          ("scheduled_tokens", "llm_engine_scheduled_tokens_total"),
                           ("preemptions", "llm_preemptions_total"),
                           ("cold_path", "llm_cold_path_events_total"),
                           ("model_seconds", "llm_model_seconds_total"),
@@ -146,7 +150,7 @@ def engine_snapshot(engine) -> dict[str, float]:
         "llm_kv_cache_blocks_used": kv.num_used_blocks,
         "llm_kv_cache_blocks_total": kv.num_blocks,
         "steps": stats.steps, "sampled_tokens": stats.sampled_tokens,
-        "preemptions": stats.preemptions,
+        "scheduled_tokens": stats.scheduled_tokens, "preemptions": stats.preemptions,
         "cold_path": cold.total if (cold := getattr(engine, "cold_path", None)) else None,
         "model_seconds": stats.model_seconds, "collective_seconds": stats.collective_seconds,
         "prefix_cache_queries": stats.prefix_cache_queries,

@@ -39,6 +39,7 @@ def _expected_cached(cached_ids: list[int], ids: list[int]) -> int:
 def test_counters_and_num_cached_tokens(server, tokenizer, greedy):
     q0 = server.metric("llm_prefix_cache_queries_total")
     h0 = server.metric("llm_prefix_cache_hits_total")
+    s0 = server.metric("llm_engine_scheduled_tokens_total")
     prompts = [SYSTEM + "When does the museum open?", SYSTEM + "Can I climb to the lamp room?"]
     ids = [tokenizer.encode(p) for p in prompts]
     fields = {"max_tokens": 12, "temperature": 0.0, "return_num_cached_tokens": True,
@@ -54,6 +55,12 @@ def test_counters_and_num_cached_tokens(server, tokenizer, greedy):
                               lambda v: v >= q0 + len(ids[0]) + len(ids[1])) == \
         q0 + len(ids[0]) + len(ids[1])
     assert server.wait_metric("llm_prefix_cache_hits_total", lambda v: v >= h0 + want) == h0 + want
+    # through the model: both prompts but the cached blocks, then a decode row per token after
+    # each request's first (greedy: they may stop before max_tokens)
+    ran = len(ids[0]) + len(ids[1]) - want + sum(int(o["num_output_tokens"]) - 1
+                                                 for o in (first, second))
+    assert server.wait_metric("llm_engine_scheduled_tokens_total",
+                              lambda v: v >= s0 + ran) == s0 + ran
     without = generate({"text_input": prompts[1], "max_tokens": 2}, "grpc", server.grpc_url)
     assert "num_cached_tokens" not in without  # only when asked for
     assert server.metric("llm_cold_path_events_total") == 0
