@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from backend.model import host_memory
+
 _BF16_UNIT_ROUNDOFF = 2.0 ** -8
 _F32_UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -54,7 +56,9 @@ class GreedyScreen:
         with torch.inference_mode():
             if not bool(torch.isfinite(weight).all()):
                 return None
-            low = weight.to(torch.bfloat16)
+            # in huge pages, as the weights (host_memory): every screened step streams it
+            low = host_memory.zeros([tuple(weight.shape)], torch.bfloat16)[0].copy_(weight) \
+                if weight.device.type == "cpu" else weight.to(torch.bfloat16)
             # in float64, a slice at a time (a whole float64 copy of a large head is 2x its size)
             row_norms = torch.cat([w.double().norm(dim=1).float() for w in weight.split(8192)])
         return cls(low, row_norms, screening_eps(weight.shape[1]), screened)
