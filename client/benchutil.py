@@ -129,7 +129,7 @@ def greedy_head_info(dtype: str) -> str:
     copy, then the few float32 rows that can win (exact tokens; backend/model/greedy_head.py),
     or the whole float32 head. The floors count the whole head."""
     from kernels import cpu_ops
-    if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops._BF16_GEMV:
+    if dtype == "float32" and cpu_ops.GREEDY_SCREEN:
         return "screened"
     return "full"
 

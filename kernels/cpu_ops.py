@@ -114,8 +114,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def greedy_screen_supported(weight: torch.Tensor) -> bool:
     """Whether greedy_argmax_screened can take this lm_head weight."""
-    return (_BF16_GEMV and weight.dim() == 2 and weight.dtype == torch.float32
-            and weight.is_contiguous() and hasattr(_ext, "greedy_argmax_screened"))
+    return (GREEDY_SCREEN and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.is_contiguous())
 
 
 def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
@@ -338,6 +338,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 AVAILABLE = _ext is not None
 _BF16_GEMV = AVAILABLE and _ext.bf16_gemv_supported()
+# the screened greedy head (greedy_argmax_screened) runs on the bf16 GEMV's tiles
+GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
 
 
 # The kernels' parallel loops run on the module's own worker team (csrc/thread_team.h: workers

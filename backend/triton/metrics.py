@@ -100,8 +100,8 @@ class Metrics:
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
         (steps, sampled_tokens, scheduled_tokens, preemptions, cold_path, model_seconds,
-        collective_seconds,
-        prefix_cache_queries, prefix_cache_hits, spec_draft_tokens, spec_accepted_tokens)."""
+        collective_seconds, prefix_cache_queries, prefix_cache_hits, spec_draft_tokens,
+        spec_accepted_tokens)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
             return

@@ -1,0 +1,82 @@
+"""The screened greedy head (backend/model/greedy_head.py, csrc greedy_argmax_screened): the
+token and logit of the full float32 head + argmax, bit for bit, from its bf16 copy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels import reference as ref
+from tests.required import no_cpu_kernels
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 64])
+@pytest.mark.parametrize("k, n", [(576, 4099), (100, 257), (48, 33)])
+def test_greedy_screen_is_linear_then_argmax(m, k, n):
+    """The screened greedy head (backend/model/greedy_head.py) returns, bit for bit, the token
+    and logit of linear + argmax: the first index among equal maxima included (tied rows win
+    for row 0), across scales of x; a row that is not finite is handed back (-1)."""
+    from backend.model.greedy_head import GreedyScreen, argmax_logits
+    if not cpu_ops.GREEDY_SCREEN:
+        no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
+    g = torch.Generator().manual_seed(m * 7 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[n // 2] = w[n - 1] = w[3]  # three equal rows: a tie for the maximum
+    screen = GreedyScreen.build(w, cpu_ops)
+    assert screen is not None
+    for scale in (0.01, 1.0, 30.0):
+        x = torch.randn(m, k, generator=g) * scale
+        x[0] = w[3] * 50 * scale  # row 0's maximum is the three-way tie
+        full = cpu_ops.linear(x, w)
+        tokens, values, candidates = screen.screened(x, w, screen.low, screen.row_norms,
+                                                     screen.eps)
+        want = full.argmax(dim=1)
+        assert tokens[0] == 3
+        assert torch.equal(tokens, want)
+        assert torch.equal(values, full.gather(1, want[:, None])[:, 0])
+        assert bool((candidates >= 1).all()) and int(candidates[0]) >= 3
+        logits = argmax_logits(*screen.best(x, w), n)
+        assert torch.equal(logits.argmax(dim=1), want)
+        assert torch.equal(logits.gather(1, want[:, None]), full.gather(1, want[:, None]))
+        assert int(torch.isfinite(logits).sum()) == m  # one logit per row, -inf elsewhere
+    x = torch.randn(m, k, generator=g)
+    x[m - 1, 5] = float("nan")
+    tokens, _, _ = screen.screened(x, w, screen.low, screen.row_norms, screen.eps)
+    assert tokens[m - 1] == -1 and torch.equal(tokens[:m - 1], cpu_ops.linear(x, w)[:m - 1].argmax(1))
+    logits = argmax_logits(*screen.best(x, w), n)
+    assert not bool(torch.isfinite(logits[m - 1]).any())  # left for the caller's full row
+
+
+def test_greedy_screen_refuses_what_it_cannot_bound():
+    from backend.model.greedy_head import GreedyScreen
+    w = torch.randn(40, 64)
+    assert GreedyScreen.build(w.bfloat16(), cpu_ops) is None  # bf16 head: nothing to save
+    bad = w.clone()
+    bad[7, 3] = float("inf")
+    assert GreedyScreen.build(bad, cpu_ops) is None
+    assert GreedyScreen.build(w, ref) is None  # the torch reference has no screen
+
+
+def test_screened_head_takes_the_full_row_where_it_cannot_bound():
+    """ParallelLMHead.argmax_logits: a row that is not finite gets the full head's row (NaNs
+    and all) while the others get their maximum alone; TP's pick across ranks keeps the
+    highest logit of the lowest rank (the first index, as argmax)."""
+    from backend.model.greedy_head import pick_across_ranks
+    from backend.model.layers import ParallelLMHead
+    from backend.parallel.context import SINGLE
+    head = ParallelLMHead(300, 64, torch.float32, SINGLE, ops=cpu_ops)
+    head.weight.data.copy_(torch.randn(300, 64, generator=torch.Generator().manual_seed(1)))
+    if not head.enable_greedy_screening():
+        no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
+    x = torch.randn(3, 64)
+    x[1, 0] = float("nan")
+    got, full = head.argmax_logits(x), head(x)
+    assert torch.equal(got[[0, 2]].argmax(1), full[[0, 2]].argmax(1))
+    assert int(torch.isfinite(got[[0, 2]]).sum()) == 2
+    torch.testing.assert_close(got[1], full[1], rtol=0, atol=0, equal_nan=True)
+    # rows: a tie between ranks 1 and 2 (rank 1 wins), rank 0 alone best, rank 2 alone best
+    pairs = torch.tensor([[3., 1.0, 120., 5.0, 250., 5.0],
+                          [7., 9.0, 101., 2.0, 201., 8.0],
+                          [0., -1.0, 100., -2.0, 299., 0.5]])
+    tokens, values = pick_across_ranks(pairs, 3)
+    assert tokens.tolist() == [120, 7, 299] and values.tolist() == [5.0, 9.0, 0.5]
