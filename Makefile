@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Build the fused C++ CPU kernels once per x86 ISA level (avx2, avx512, avx512_bf16; cached,
 	# picked at load by the running CPU). Without them `make serve` falls back to the slower torch
 	# path; `make test` fails (TPLLM_REQUIRE_CPU_KERNELS=1: CI must test them).
-	$(PY) -m kernels.cpu_ext || echo "WARNING: C++ CPU kernels NOT (all) built: serving falls back to the slower torch path; make test will fail"
+	$(PY) -m tpllm_kernels.cpu_ext || echo "WARNING: C++ CPU kernels NOT (all) built: serving falls back to the slower torch path; make test will fail"
 	touch $@
 
 # Optional: genai-perf 0.0.16 in a venv of its own (it pins numpy<2 and its own transformers);

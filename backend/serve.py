@@ -106,7 +106,7 @@ def server_env(dist: Path | None) -> dict[str, str]:
     env.setdefault("LANG", "C.UTF-8")
     env.setdefault("PYTHONUTF8", "1")
     # The C++ kernels' parallel loops (all of a decode step's) run on their own worker team
-    # (kernels/csrc/thread_team.h): bounded spinning, and no loop waits for a worker that has
+    # (tpllm_kernels/csrc/thread_team.h): bounded spinning, and no loop waits for a worker that has
     # not started. OpenMP is left to torch's own ops (the prefill GEMMs), where spinning threads
     # would starve the response thread (and other replicas) on shared cores: PASSIVE.
     env.setdefault("TPLLM_THREADING", "team")

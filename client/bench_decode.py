@@ -151,7 +151,7 @@ def child_main(spec_path: str, out_path: str) -> int:
     import torch
     from backend import LLM, SamplingParams
     from backend.engine.model_files import resolve_model_dir
-    from kernels import cpu_ext
+    from tpllm_kernels import cpu_ext
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

@@ -85,13 +85,13 @@ def ratio_lines(ratios: Sequence[dict]) -> str:
 
 
 def cpu_model() -> str:
-    from kernels.cpu_ext import cpuinfo_field
+    from tpllm_kernels.cpu_ext import cpuinfo_field
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_isa_flags() -> list[str]:
     """The CPU's vector ISA flags that matter to the kernels (avx2, fma, avx512*, amx*)."""
-    from kernels import cpu_ext
+    from tpllm_kernels import cpu_ext
     return sorted(f for f in cpu_ext.cpu_flags()
                   if f in ("avx2", "fma") or f.startswith(("avx512", "amx")))
 
@@ -99,7 +99,7 @@ def cpu_isa_flags() -> list[str]:
 def kernel_isa() -> str:
     """The C++ CPU kernels' variant this process dispatches to (TPLLM_CPU_ISA or the best the
     CPU runs; TP workers and a server started with the same environment pick the same)."""
-    from kernels import cpu_ext
+    from tpllm_kernels import cpu_ext
     try:
         return cpu_ext.isa_level()
     except (RuntimeError, ValueError) as e:  # a forced level this CPU refuses
@@ -110,7 +110,7 @@ def threading_info() -> str:
     """How the C++ kernels run their parallel loops in this process: on their worker team (and
     its spin) or on torch's OpenMP (TPLLM_THREADING; a server started with the same environment
     does the same)."""
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     if not cpu_ops.AVAILABLE:
         return "omp (no C++ kernels)"
     mode = cpu_ops.threading_mode()
@@ -120,7 +120,7 @@ def threading_info() -> str:
 def gemm_library() -> str:
     """The library running the float32 GEMMs beyond the C++ GEMV's rows (TPLLM_CPU_GEMM or
     by the CPU; a server started with the same environment picks the same)."""
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     return cpu_ops.GEMM_LIBRARY if cpu_ops.AVAILABLE else "torch (no C++ kernels)"
 
 
@@ -128,7 +128,7 @@ def greedy_head_info(dtype: str) -> str:
     """How a greedy step reads the lm_head with the engine's default greedy_screening: its bf16
     copy, then the few float32 rows that can win (exact tokens; backend/model/greedy_head.py),
     or the whole float32 head. The floors count the whole head."""
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     if dtype == "float32" and cpu_ops.GREEDY_SCREEN:
         return "screened"
     return "full"

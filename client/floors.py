@@ -78,7 +78,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     gemms = [lambda: F.linear(x, w)]
     if cpu_ops._onednn_available():
         gemms.append(lambda: cpu_ops._onednn_linear(x, w, None))
@@ -95,11 +95,11 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> 
 def read_bandwidth_gbs(gib: float = 1.0, runs: int = 5) -> float:
     """Best-of-`runs` GB/s of reading a buffer far larger than the caches, the faster of two
     readers: torch's float sum, and (when the kernels load) their own probe, which reads one
-    contiguous slice per thread as a decode GEMV does (kernels/csrc/thread_team.cpp). Neither
+    contiguous slice per thread as a decode GEMV does (tpllm_kernels/csrc/thread_team.cpp). Neither
     is always the faster on this VM. The buffer is filled with ones (not torch.empty) so its
     pages are really mapped and the reads reach DRAM, not the zero page."""
     buf = torch.ones(int(gib * 2**30) // 64 * 16, dtype=torch.float32)
-    from kernels import cpu_ext
+    from tpllm_kernels import cpu_ext
     ext = cpu_ext.load()  # None without a compiler: torch's reader alone
     readers = [buf.sum] + ([lambda: ext.read_probe(buf)] if ext is not None else [])
     best = float("inf")
@@ -161,7 +161,7 @@ def paired_steps(llm, prompt: list[int], tokens: int, step_bytes: float) -> dict
     best-of-5 floor is the top of that spread while a step sees whatever it gets; a read right
     next to each step sees what the step sees."""
     from backend import SamplingParams
-    from kernels import cpu_ext
+    from tpllm_kernels import cpu_ext
     ext = cpu_ext.load()
     if ext is None:  # no kernels, no probe
         return None

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels' ISA variants (kernels/cpu_ext.py): each variant this CPU can run, forced
+"""The C++ CPU kernels' ISA variants (tpllm_kernels/cpu_ext.py): each variant this CPU can run, forced
 with TPLLM_CPU_ISA in its own process, matches the torch reference, and every variant computes
 the same float32 results (bit for bit: kernels, logits and greedy tokens of a tiny model with
 head_dim 64, the hand-tiled size) and bfloat16 logits within transformers' own bf16 error (the
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ext
+from tpllm_kernels import cpu_ext
 
 ROOT = Path(__file__).resolve().parent.parent
 SIMD_VARIANTS = [v.name for v in cpu_ext.X86_VARIANTS]
@@ -23,9 +23,9 @@ SIMD_VARIANTS = [v.name for v in cpu_ext.X86_VARIANTS]
 
 def _kernel_outputs() -> dict[str, torch.Tensor]:
     """Each hand-written kernel on fixed inputs, checked against the torch reference here."""
-    from kernels import cpu_ops
-    from kernels import reference as ref
-    from kernels.metadata import DecodeBatch, PrefillChunk
+    from tpllm_kernels import cpu_ops
+    from tpllm_kernels import reference as ref
+    from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 
     g = torch.Generator().manual_seed(0)
     out: dict[str, torch.Tensor] = {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels import reference as ref
-from kernels.metadata import DecodeBatch, PrefillChunk
+from tpllm_kernels import cpu_ops
+from tpllm_kernels import reference as ref
+from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 from tests.required import no_cpu_kernels
 
 if not cpu_ops.AVAILABLE:
@@ -275,13 +275,13 @@ def test_gemm_library_setting(monkeypatch):
     with pytest.raises(ValueError, match="mkl or onednn"):
         cpu_ops._gemm_library()
     monkeypatch.delenv(cpu_ops.GEMM_ENV)
-    from kernels.cpu_ext import cpu_flags, cpu_vendor
+    from tpllm_kernels.cpu_ext import cpu_flags, cpu_vendor
     intel_avx512 = cpu_vendor() == "GenuineIntel" and "avx512f" in cpu_flags()
     want = "mkl" if intel_avx512 or not cpu_ops._onednn_available() else "onednn"
     assert cpu_ops._gemm_library() == want
     # by the CPU, not by this host: MKL only on an Intel CPU with AVX-512 (on AMD it ran at
     # about AVX2 speed whatever the flags)
-    import kernels.cpu_ext as ext
+    import tpllm_kernels.cpu_ext as ext
     for vendor, flags, library in (("GenuineIntel", {"avx512f", "avx2"}, "mkl"),
                                    ("GenuineIntel", {"avx2"}, "onednn"),
                                    ("AuthenticAMD", {"avx512f", "avx2"}, "onednn"),

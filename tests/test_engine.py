@@ -156,12 +156,12 @@ def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
 
 def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     """With the C++ CPU kernels, decode steps run all layers in one call (one rank), or each
-    layer as two calls (kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,
+    layer as two calls (tpllm_kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,
     to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
     model = llm.engine.runner.model
     if not model.fused_decode:
         no_cpu_kernels()
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     calls = []
     for name in ("decode_stack", "decode_attention_half"):
         fn = getattr(cpu_ops, name)
@@ -193,7 +193,7 @@ def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch
     """On CPU the linears keep packed weights (MKL's or oneDNN's) for the largest decode
     bucket; a batch that fills it runs from them and generates what the engine without them
     does."""
-    from kernels import cpu_ops
+    from tpllm_kernels import cpu_ops
     if not (cpu_ops._mkl_packing() if library == "mkl" else cpu_ops._onednn_available()):
         pytest.skip(f"torch without {library}'s packed GEMM")
     monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", library)

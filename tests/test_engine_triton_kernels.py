@@ -18,9 +18,9 @@ from backend.model.config import ModelConfig  # noqa: E402
 from backend.model.loader import load_model  # noqa: E402
 from backend.model.rotary import RotaryTables  # noqa: E402
 from backend.parallel.context import ParallelContext  # noqa: E402
-from kernels import KERNELS_ENV, reference, triton_ops  # noqa: E402
-from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk  # noqa: E402
-from kernels.triton_util import interpreting  # noqa: E402
+from tpllm_kernels import KERNELS_ENV, reference, triton_ops  # noqa: E402
+from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk  # noqa: E402
+from tpllm_kernels.triton_util import interpreting  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
 if DEVICE == "cpu" and not interpreting():

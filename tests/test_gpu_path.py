@@ -18,7 +18,7 @@ from backend.parallel.comm_select import on_gpu, rank_device
 from backend.parallel.gpu_comm import assemble_gathered, pad_columns, use_one_shot
 from backend.triton.model_config import parse_parameters
 from backend.triton.placement import Placement, PlacementError, engine_device
-from kernels import KERNELS_ENV
+from tpllm_kernels import KERNELS_ENV
 from tests.tiny_models import make_tiny_checkpoint
 from tests.triton_env import DEVICE  # Triton's interpreter on CPU, set before Triton loads
 
@@ -75,7 +75,7 @@ def test_static_decode_path_matches_normal_path(tiny_llama, kernels, monkeypatch
     the bucket of all prompts (24: > 16)."""
     if kernels == "triton":
         pytest.importorskip("triton")
-        from kernels.triton_util import interpreting
+        from tpllm_kernels.triton_util import interpreting
         if DEVICE == "cpu" and not interpreting():
             pytest.skip("Triton was imported before TRITON_INTERPRET was set")
     monkeypatch.setenv(KERNELS_ENV, kernels)

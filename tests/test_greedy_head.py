@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels import reference as ref
+from tpllm_kernels import cpu_ops
+from tpllm_kernels import reference as ref
 from tests.required import no_cpu_kernels
 
 

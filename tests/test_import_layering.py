@@ -1,4 +1,4 @@
-"""No import circles inside a package: within backend/<pkg> (and kernels/), module-to-module
+"""No import circles inside a package: within backend/<pkg> (and tpllm_kernels/), module-to-module
 imports must form a DAG, so every dependency inside a package points one way. Every import
 statement counts, wherever it is: module level, inside a function (a "lazy" import still ties
 the two modules together) and under `if TYPE_CHECKING:`. Read with ast: nothing is imported."""
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p for p in (ROOT / "backend").iterdir() if (p / "__init__.py").exists())
-PACKAGES.append(ROOT / "kernels")
+PACKAGES.append(ROOT / "tpllm_kernels")
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -1,4 +1,4 @@
-"""Every Triton kernel against its torch reference (kernels/reference.py) on random inputs.
+"""Every Triton kernel against its torch reference (tpllm_kernels/reference.py) on random inputs.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors; on a CUDA machine (no
 TRITON_INTERPRET) the same tests run compiled, on CUDA tensors (tests/gpu/check.sh).
@@ -19,11 +19,11 @@ from tests.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET before
 
 pytest.importorskip("triton")
 
-from kernels import reference as R  # noqa: E402
-from kernels import triton_ops as T  # noqa: E402
-from kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
-from kernels.metadata import DecodeBatch, PrefillChunk  # noqa: E402
-from kernels.triton_util import interpreting  # noqa: E402
+from tpllm_kernels import reference as R  # noqa: E402
+from tpllm_kernels import triton_ops as T  # noqa: E402
+from tpllm_kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
+from tpllm_kernels.metadata import DecodeBatch, PrefillChunk  # noqa: E402
+from tpllm_kernels.triton_util import interpreting  # noqa: E402
 
 if DEVICE == "cpu" and not interpreting():
     pytest.skip("Triton was imported before TRITON_INTERPRET was set", allow_module_level=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils import cpp_extension
 
-from kernels import cpu_ext
+from tpllm_kernels import cpu_ext
 
 
 @pytest.fixture

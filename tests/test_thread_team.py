@@ -1,4 +1,4 @@
-"""The C++ kernels' worker team (kernels/csrc/thread_team.h): every index of a loop runs exactly
+"""The C++ kernels' worker team (tpllm_kernels/csrc/thread_team.h): every index of a loop runs exactly
 once whoever runs it, nested and empty loops, exceptions, one thread, concurrent callers, fork;
 the mode and spin switches; and the kernels and a decode compute the same bits on the team as on
 OpenMP (at::parallel_for). No timing is asserted: who runs which chunk depends on the machine."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops
+from tpllm_kernels import cpu_ops
 from tests.required import no_cpu_kernels
 
 if not cpu_ops.AVAILABLE:
@@ -134,7 +134,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_environment_sets_mode_and_spin():
-    code = "from kernels import cpu_ops; print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())"
+    code = "from tpllm_kernels import cpu_ops; print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())"
     assert _python(code).stdout.split() == ["team", "100"]  # the defaults
     proc = _python(code, TPLLM_THREADING="omp", TPLLM_SPIN_US="7")
     assert proc.stdout.split() == ["omp", "7"], proc.stderr[-2000:]
@@ -147,7 +147,7 @@ def test_a_forked_child_gets_its_own_team():
     """Threads do not survive fork: the child starts a team of its own (no hang, all indices)."""
     code = """
 import os, torch
-from kernels import cpu_ops
+from tpllm_kernels import cpu_ops
 torch.set_num_threads(2)
 ok = lambda: bool((cpu_ops._ext._parallel_cover(5000, 1, False)[0] == 1).all())
 assert ok()

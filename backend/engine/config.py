@@ -33,8 +33,8 @@ class EngineConfig:
     step_overhead_tokens: int | None = None
     max_model_len: int | None = None  # None = the model's context (and sliding window)
     # CPU float32: a second, packed copy of every linear weight (in the GEMM library's format:
-    # kernels.cpu_ops.GEMM_LIBRARY) for the full decode batch (max_num_seqs rows) when it is
-    # above kernels.cpu_ops.SMALL_M (64; up to that the C++ linears are faster), whose GEMMs
+    # tpllm_kernels.cpu_ops.GEMM_LIBRARY) for the full decode batch (max_num_seqs rows) when it is
+    # above tpllm_kernels.cpu_ops.SMALL_M (64; up to that the C++ linears are faster), whose GEMMs
     # then run ~27% faster; costs the weights' memory once more
     cpu_packed_gemm: bool = True
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B

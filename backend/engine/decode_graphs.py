@@ -1,5 +1,6 @@
-"""Decode-only steps from static buffers, one per batch bucket (kernels.cuda_graphs.GraphRunner):
-captured CUDA graphs on CUDA, the same buffers called eagerly elsewhere (tests).
+"""Decode-only steps from static buffers, one per batch bucket
+(tpllm_kernels.cuda_graphs.GraphRunner): captured CUDA graphs on CUDA, the same buffers called
+eagerly elsewhere (tests).
 
 What makes the step capturable: every input has a fixed shape per bucket (block tables are
 widened to the longest context the engine serves, max_model_len), and the attention reads each
@@ -19,8 +20,8 @@ from backend.engine.kv_manager import SCRATCH_BLOCK
 from backend.engine.step_inputs import StepInputs
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
-from kernels.cuda_graphs import GraphRunner, StaticInput
-from kernels.metadata import AttentionMetadata, DecodeBatch
+from tpllm_kernels.cuda_graphs import GraphRunner, StaticInput
+from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch
 
 
 class StepOwner(Protocol):

@@ -33,7 +33,7 @@ from backend.engine.tp_launch import launch_group
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
-from kernels import cpu_ext
+from tpllm_kernels import cpu_ext
 
 log = logging.getLogger("backend.engine")
 _NO_TEXT = DetokenizerUpdate("", False, None)

@@ -14,7 +14,7 @@ from backend.engine.step_inputs import StepInputs
 from backend.model import host_memory
 from backend.model.llama import LlamaForCausalLM
 from backend.model.rotary import RotaryTables
-from kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 log = logging.getLogger("backend.engine")
 
@@ -48,7 +48,7 @@ class ModelRunner:
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
 
     def _pack_weights(self, rows: int) -> int:
-        """CPU: the full decode batch's GEMMs from packed weight copies (kernels/cpu_ops.py),
+        """CPU: the full decode batch's GEMMs from packed weight copies (tpllm_kernels/cpu_ops.py),
         unless the copies would take over half the memory still available."""
         if self.device.type != "cpu" or rows < 1:
             return 0

@@ -14,15 +14,15 @@ from backend.model.config import ModelConfig
 from backend.model.layers import ColumnParallelLinear, DirectModule, RowParallelLinear
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import HeadPartition
-from kernels import reference
-from kernels.metadata import AttentionMetadata
+from tpllm_kernels import reference
+from tpllm_kernels.metadata import AttentionMetadata
 
 
 class Attention(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
         super().__init__()
-        self.ops = ops  # the kernel namespace, chosen once per model (kernels.select_ops)
+        self.ops = ops  # the kernel namespace, chosen once per model (tpllm_kernels.select_ops)
         part = HeadPartition.build(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.world_size)
         d = cfg.head_dim
         self.head_dim, self.num_q, self.num_kv = d, part.num_q, part.num_kv

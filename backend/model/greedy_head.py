@@ -3,7 +3,7 @@
 A batch-1 float32 decode step streams every weight once, and the lm_head (the tied embedding:
 vocab x hidden) is a fifth of SmolLM2's. A row that only takes the argmax of its logits (greedy,
 no logprobs, penalties, grammar or min_tokens: Sampler.argmax_only) needs one logit exactly, not
-49,152. So the kernel (kernels/csrc/cpu_gemv_bf16.cpp, greedy_argmax_screened) computes every
+49,152. So the kernel (tpllm_kernels/csrc/cpu_gemv_bf16.cpp, greedy_argmax_screened) computes every
 logit from a bf16 copy of the head, bounds each one's distance from the exact float32 logit,
 and recomputes in float32 only the few whose bound reaches the best lower bound (SmolLM2: 1-9).
 The token and its logit are bit for bit what the full head and argmax give, ties included.

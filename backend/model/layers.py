@@ -17,7 +17,7 @@ from backend.model.greedy_head import GreedyScreen, pick_across_ranks
 from backend.model.greedy_head import argmax_logits as greedy_argmax_logits
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
-from kernels import reference
+from tpllm_kernels import reference
 
 ShardMap = dict[str | None, tuple[int, int, int, int]]
 

@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from backend.model.attention import Attention
-from kernels.metadata import AttentionMetadata
+from tpllm_kernels.metadata import AttentionMetadata
 from backend.model.config import ModelConfig
 from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
                                   RMSNorm, RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
-from kernels import reference, select_ops
+from tpllm_kernels import reference, select_ops
 
 # checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
 _MERGED = {
@@ -99,7 +99,8 @@ class LlamaForCausalLM(DirectModule):
         super().__init__()
         self.cfg = cfg
         # The one place the model picks its kernels: by the device its parameters are created
-        # on (torch's default device) unless given; TPLLM_KERNELS overrides (kernels/__init__).
+        # on (torch's default device) unless given; TPLLM_KERNELS overrides
+        # (tpllm_kernels/__init__).
         self.ops = ops = ops if ops is not None else select_ops(torch.get_default_device())
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, ctx)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, ops)

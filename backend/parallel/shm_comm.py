@@ -3,7 +3,7 @@
 Why: a decode step does two all-reduces per layer of a few KB each. A general-purpose library
 call (gloo) costs ~240 us each on this machine; here a rank copies its tensor into its own slot,
 publishes a sequence number, waits until every peer has published the same number, and sums
-all slots itself, in one C++ call when the CPU kernels are built (kernels/csrc: 13-20 us per
+all slots itself, in one C++ call when the CPU kernels are built (tpllm_kernels/csrc: 13-20 us per
 call between real layers, where a handful of torch ops took 40-80 us), else with torch ops.
 Every rank sums the slots in the same order, so all ranks get bit-identical results.
 
@@ -31,7 +31,7 @@ _LIVENESS_EVERY_S = 0.05
 
 
 def _native_kernels():
-    from kernels.cpu_ext import load
+    from tpllm_kernels.cpu_ext import load
     return load()
 
 
@@ -67,7 +67,8 @@ class ShmCommunicator:
         data = torch.frombuffer(buf, dtype=torch.uint8, offset=world * _LINE,
                                 count=2 * world * slot_bytes)
         self._slots = data.view(dtype).view(2, world, self.slot_elems)
-        # the C++ hot path (kernels/csrc): post, spin and sum in one call; None = torch ops only
+        # the C++ hot path (tpllm_kernels/csrc): post, spin and sum in one call;
+        # None = torch ops only
         self._native = _native_kernels() if dtype in (torch.float32, torch.bfloat16) else None
         self._flags_t = torch.frombuffer(buf, dtype=torch.int64, count=world * _LINE // 8).view(
             world, _LINE // 8)
@@ -120,7 +121,7 @@ class ShmCommunicator:
 
     def fused_collective(self, numel: int, dtype: torch.dtype) -> tuple | None:
         """The next all-reduce's (slots, flags, rank, seq, spins) for a C++ kernel that posts its
-        partial sum and sums every rank's itself (kernels/csrc/decode_layer.cpp: no return to
+        partial sum and sums every rank's itself (tpllm_kernels/csrc/decode_layer.cpp: no return to
         Python in between), or None if it cannot (no native kernels, too large, other dtype).
         The caller must run that kernel next and pass its result to finish_fused."""
         if self._native is None or numel > self.slot_elems or dtype != self.dtype:

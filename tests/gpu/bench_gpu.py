@@ -34,9 +34,9 @@ from backend.model.config import ModelConfig  # noqa: E402
 from backend.model.llama import LlamaForCausalLM  # noqa: E402
 from backend.model.rotary import RotaryTables  # noqa: E402
 from backend.parallel.context import ParallelContext  # noqa: E402
-from kernels import reference, select_ops  # noqa: E402
-from kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
-from kernels.metadata import AttentionMetadata, DecodeBatch  # noqa: E402
+from tpllm_kernels import reference, select_ops  # noqa: E402
+from tpllm_kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
+from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -74,7 +74,7 @@ def paged_tables(batch: int, blocks_each: int, g: torch.Generator) -> torch.Tens
 
 
 def decode_attention_rows(copy_gbs: float) -> None:
-    from kernels import triton_ops
+    from tpllm_kernels import triton_ops
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, ctx = 9, 3, 64, 4096
     for b in (64, 1):
@@ -110,7 +110,7 @@ def build_model(ops) -> LlamaForCausalLM:
 
 
 def model_rows() -> None:
-    from kernels import triton_ops
+    from tpllm_kernels import triton_ops
     model = build_model(select_ops(DEV))
     assert model.ops is triton_ops, "CUDA must select the Triton kernels"
     torch_model = build_model(reference)

@@ -50,7 +50,7 @@ sys.path.insert(0, '.')
 for f in ['tests/gpu/bench_gpu.py', 'tests/gpu/engine_fidelity.py', 'tests/test_gpu_path.py']:
     ast.parse(pathlib.Path(f).read_text(), f)
 for m in ['backend.engine.llm_engine', 'backend.engine.decode_graphs',
-          'backend.parallel.gpu_comm', 'backend.parallel.comm_select', 'kernels.triton_ops']:
+          'backend.parallel.gpu_comm', 'backend.parallel.comm_select', 'tpllm_kernels.triton_ops']:
     importlib.import_module(m)
 print('ok')"
 step tests 170 "$PY" -m pytest -q -p no:cacheprovider -rs \

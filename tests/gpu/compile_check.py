@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a real GPU target (sm_90, Hopper) on a machine without one.
 
-The wrappers in kernels/ are called with CPU tensors at serving shapes while Triton's launch is
+The wrappers in tpllm_kernels/ are called with CPU tensors at serving shapes while Triton's launch is
 replaced by compile-only ("warmup"), against a stand-in driver that reports an sm_90 target.
 This catches what the interpreter cannot (non-constexpr globals, unsupported ops or shapes,
 ptxas failures) and reports registers, spills and shared memory per kernel variant.
@@ -81,9 +81,9 @@ def resource_usage(cubin: bytes) -> str:
 
 def exercise(dtype: torch.dtype) -> None:
     """Every wrapper at SmolLM2-135M shapes (9 q heads, 3 KV heads, D 64, hidden 576)."""
-    from kernels import triton_activation as act, triton_attention as att
-    from kernels import triton_norm as norm, triton_rotary as rot
-    from kernels.metadata import DecodeBatch, PrefillChunk
+    from tpllm_kernels import triton_activation as act, triton_attention as att
+    from tpllm_kernels import triton_norm as norm, triton_rotary as rot
+    from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 
     t, hid, hq, hkv, d, bs = 7, 576, 9, 3, 64, 16
     x = torch.randn(t, hid, dtype=dtype)

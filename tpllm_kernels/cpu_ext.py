@@ -1,4 +1,4 @@
-"""Builds and loads the fused C++ CPU kernels in kernels/csrc, one module per x86 ISA level, and
+"""Builds and loads the fused C++ CPU kernels in tpllm_kernels/csrc, one module per x86 ISA level, and
 picks the best level the running CPU supports when the module loads (as ATen dispatches its own
 CPU kernels), instead of building for the build host's CPU (-march=native).
 
@@ -6,7 +6,7 @@ Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16: the bf16 GEMV's vdp
 avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FMA + F16C). The same sources build every variant:
 the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
 ones) and compute the same float32 bits on each (the bf16 GEMV differs: vdpbf16ps vs widened
-FMAs). `make setup` (python -m kernels.cpu_ext) builds all x86 variants, whatever CPU it runs
+FMAs). `make setup` (python -m tpllm_kernels.cpu_ext) builds all x86 variants, whatever CPU it runs
 on, so an image built on one host runs at full speed on another; a variant missing at load is
 built then. A CPU without AVX2 + FMA (or a non-x86 one) gets the portable "generic" build.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-log = logging.getLogger("kernels")
+log = logging.getLogger("tpllm_kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))  # one module; headers (*.h) are included by them
 # fp-contract off: no fused multiply-adds but the kernels' explicit ones, so results match the
@@ -146,7 +146,7 @@ def _cache_dir(v: Variant) -> Path:
     flags = " ".join(_CFLAGS + list(v.cflags) + _LDFLAGS)
     key = hashlib.sha256(sources + torch.__version__.encode() + sys.version.encode()
                          + flags.encode()).hexdigest()[:16]
-    # The project's cache convention (see backend.model.gguf_import.cache_root); kernels/ sits
+    # The project's cache convention (see backend.model.gguf_import.cache_root); tpllm_kernels/ sits
     # below backend/ and may not import it.
     root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "tp-llm")

@@ -1,6 +1,6 @@
 """Paged attention (Triton): decode (one query per sequence) and chunked prefill over the cache.
 
-Same signatures as kernels.reference. K/V are gathered token by token through the block table
+Same signatures as tpllm_kernels.reference. K/V are gathered token by token through the block table
 (block = table[t // block_size], row t % block_size), so any block size works and a tile may
 span several cache blocks. Softmax is online (flash attention) in float32, base 2.
 
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import DecodeBatch, PrefillChunk
-from kernels.triton_util import dot_precision, interpreting, pow2, sm_count
+from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
+from tpllm_kernels.triton_util import dot_precision, interpreting, pow2, sm_count
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: keeps empty rows and splits NaN-free. Globals in

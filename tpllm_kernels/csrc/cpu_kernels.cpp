@@ -1,7 +1,7 @@
 // Fused CPU kernels for the decode-heavy path, where torch's per-op dispatch and the paged-KV
 // gather (copy, then attend) cost more than the arithmetic. Storage float32 or bfloat16 (the
 // AMX path); arithmetic always float32. Every function has a torch reference in
-// kernels/reference.py that the tests compare against.
+// tpllm_kernels/reference.py that the tests compare against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

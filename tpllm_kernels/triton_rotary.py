@@ -1,6 +1,6 @@
 """Rotary position embedding applied IN PLACE to q/k heads (Triton).
 
-Same signature as kernels.reference.rotary, and it returns x, so callers that use the return
+Same signature as tpllm_kernels.reference.rotary, and it returns x, so callers that use the return
 value (as the model does) cannot tell the two apart; unlike the reference, x itself is rotated
 (it is a view into the qkv projection output, which nothing else reads unrotated).
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import interpreting, pow2, warps_for
+from tpllm_kernels.triton_util import interpreting, pow2, warps_for
 
 
 @triton.jit

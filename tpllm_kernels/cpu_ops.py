@@ -3,9 +3,9 @@ prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stac
 oneDNN's GEMM (GEMM_LIBRARY) for prefill chunks and full decode batches, and the torch
 reference for everything else and for any input the kernels don't cover (storage other than
 float32 / bfloat16, non-contiguous tensors).
-Same names and signatures as kernels/reference.py, so dispatch is a namespace swap.
+Same names and signatures as tpllm_kernels/reference.py, so dispatch is a namespace swap.
 
-The C++ module is the ISA variant kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
+The C++ module is the ISA variant tpllm_kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
 avx2; TPLLM_CPU_ISA forces one): the same kernels on each, so nothing here depends on it but
 the few figures quoted, measured on the AVX-512 host unless they say otherwise."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as _ref
-from kernels.cpu_ext import load
-from kernels.metadata import DecodeBatch, PrefillChunk
+from tpllm_kernels import reference as _ref
+from tpllm_kernels.cpu_ext import load
+from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 
 _ext = load()
 
@@ -223,7 +223,7 @@ def _gemm_library() -> str:
 
 
 def _mkl_by_default() -> bool:
-    from kernels.cpu_ext import cpu_flags, cpu_vendor
+    from tpllm_kernels.cpu_ext import cpu_flags, cpu_vendor
     return cpu_vendor() == "GenuineIntel" and "avx512f" in cpu_flags()
 
 

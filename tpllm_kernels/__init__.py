@@ -2,10 +2,10 @@
 
 `select_ops(device)` returns the namespace the model calls (rms_norm, add_rms_norm, silu_mul,
 rotary, write_kv, decode_attention, prefill_attention; same signatures in both):
-  - kernels.cpu_ops for CPU: fused C++ kernels (kernels/csrc) for decode attention,
+  - tpllm_kernels.cpu_ops for CPU: fused C++ kernels (tpllm_kernels/csrc) for decode attention,
     add+RMSNorm and rotary+KV-cache write, the torch reference for the rest; the torch reference alone when
     the C++ kernels cannot be built here;
-  - kernels.triton_ops (OpenAI Triton) for CUDA.
+  - tpllm_kernels.triton_ops (OpenAI Triton) for CUDA.
 The model asks once, at construction, and keeps the namespace: no per-call dispatch.
 
 Override with the environment variable TPLLM_KERNELS (read at each select_ops call):
@@ -25,8 +25,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels import reference as ops
+from tpllm_kernels import reference
+from tpllm_kernels import reference as ops
 
 KERNELS_ENV = "TPLLM_KERNELS"
 _CHOICES = ("auto", "torch", "triton")
@@ -43,7 +43,7 @@ def select_ops(device: torch.device | str = "cpu", force_triton: bool = False) -
     if force_triton or choice == "triton" or (choice == "auto" and device.type == "cuda"):
         return _triton_ops(device)
     if choice == "auto" and device.type == "cpu":
-        from kernels import cpu_ops
+        from tpllm_kernels import cpu_ops
         if cpu_ops.AVAILABLE:
             return cpu_ops
     return reference
@@ -51,11 +51,11 @@ def select_ops(device: torch.device | str = "cpu", force_triton: bool = False) -
 
 def _triton_ops(device: torch.device) -> ModuleType:
     try:
-        from kernels import triton_ops
+        from tpllm_kernels import triton_ops
     except ImportError as e:
         raise RuntimeError(f"Triton kernels requested for {device} but Triton is not importable "
                            f"({e}); install triton or set {KERNELS_ENV}=torch") from None
-    from kernels.triton_util import interpreting
+    from tpllm_kernels.triton_util import interpreting
     if device.type != "cuda" and not interpreting():
         raise RuntimeError(f"Triton kernels on {device} need TRITON_INTERPRET=1 set before Triton "
                            f"is imported (the interpreter; tests only); or set {KERNELS_ENV}=torch")

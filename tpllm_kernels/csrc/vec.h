@@ -6,7 +6,7 @@
 //  - simd::F16, where the module is built for AVX-512 (one zmm register) or AVX2 + FMA (two ymm
 //    registers): 16 float lanes with explicit fused multiply-adds, masks, reductions and the
 //    transposed sums the hand-tiled kernels need. A kernel is written once against F16; each
-//    build of the module (kernels/cpu_ext.py: one per ISA level, picked at load) instantiates it
+//    build of the module (tpllm_kernels/cpu_ext.py: one per ISA level, picked at load) instantiates it
 //    for its ISA. Every operation is defined lane for lane the same on both, reductions included
 //    (the same trees), so both variants compute bit-identical results: the AVX2 variant only
 //    uses two registers where AVX-512 uses one.

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import interpreting, pow2, rows_per_program, warps_for
+from tpllm_kernels.triton_util import interpreting, pow2, rows_per_program, warps_for
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""RMSNorm and fused residual-add + RMSNorm (Triton). Same signatures as kernels.reference.
+"""RMSNorm and fused residual-add + RMSNorm (Triton). Same signatures as tpllm_kernels.reference.
 
 Statistics are taken in float32. The fused kernel rounds the new residual to the input dtype
 before normalising it, as the reference does (its add happens in the input dtype).
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import pow2, rows_per_program, warps_for
+from tpllm_kernels.triton_util import pow2, rows_per_program, warps_for
 
 
 @triton.jit
