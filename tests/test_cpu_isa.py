@@ -74,6 +74,7 @@ def _kernel_outputs() -> dict[str, torch.Tensor]:
     # the elementwise kernels
     h, res, nw = (torch.randn(4, 576, generator=g) for _ in range(3))
     out["rms_x"], out["rms_res"] = cpu_ops.add_rms_norm(h.clone(), res.clone(), nw, 1e-5)
+    out["rms_only"] = cpu_ops.rms_norm(h, nw[0].contiguous(), 1e-5)
     out["silu"] = cpu_ops.silu_mul(torch.randn(4, 2 * 160, generator=g))
     return out
 

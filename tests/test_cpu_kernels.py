@@ -185,6 +185,29 @@ def test_add_rms_norm(rows, dtype):
     torch.testing.assert_close(got_x, want_x, **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 97, generator=g).to(dtype), torch.randn(97, generator=g).to(dtype)
+    x0 = x.clone()
+    got = cpu_ops.rms_norm(x, w, 1e-5)
+    assert torch.equal(x, x0)  # out of place
+    torch.testing.assert_close(got, ref.rms_norm(x, w, 1e-5), **TOL[dtype])
+    # the norm add_rms_norm computes after its add, bit for bit (the first layer's norm and the
+    # later layers' are one computation)
+    normed, _ = cpu_ops.add_rms_norm(x.clone(), torch.zeros_like(x), w, 1e-5)
+    assert torch.equal(got, normed)
+
+
+def test_rms_norm_falls_back_for_what_the_kernel_does_not_take():
+    w = torch.randn(16)
+    x = torch.randn(16, 3).t()  # not contiguous
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    xh, wh = torch.randn(3, 16, dtype=torch.float16), torch.randn(16, dtype=torch.float16)
+    assert torch.equal(cpu_ops.rms_norm(xh, wh, 1e-5), ref.rms_norm(xh, wh, 1e-5))
+
+
 def test_other_dtypes_fall_back_to_reference():
     x, res = (torch.randn(3, 16, dtype=torch.float16) for _ in range(2))
     w = torch.randn(16, dtype=torch.float16)

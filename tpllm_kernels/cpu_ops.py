@@ -22,7 +22,6 @@ from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 
 _ext = load()
 
-rms_norm = _ref.rms_norm
 # Up to this many rows a linear streams its weight once in C++ (small_m_gemm.h); more: MKL's
 # GEMM. SmolLM2 float32 steps of 40-64 tokens, 2 threads, AMD EPYC Zen 4, min of 3 warmups each,
 # 2 processes per setting: 84-118 ms at 64 against 111-147 at 32 (MKL from 33 rows); forced to
@@ -325,6 +324,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype not in _STORAGE or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return _ref.silu_mul(gate_up)
     return _ext.silu_mul(gate_up)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As add_rms_norm's norm (one C++ call; torch's is a composite dispatched op by op)."""
+    if (x.dtype not in _STORAGE or weight.dtype != x.dtype or not x.is_contiguous()
+            or not weight.is_contiguous() or weight.numel() != x.shape[-1]):
+        return _ref.rms_norm(x, weight, eps)
+    return _ext.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
