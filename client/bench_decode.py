@@ -357,10 +357,12 @@ def main(args: argparse.Namespace) -> int:
             from client import bench_decode_server
             res["served"] = bench_decode_server.run(args, loads, res["floor"]["step_bytes"],
                                                     model_dir)
-            res["ratios"] += [bu.ratio_row(f"{load} TPOT served default/floor",
-                                           res["served"]["loads"][load]["floor_ratio"]["median"],
-                                           target, False)
-                              for load, target in TARGETS if load in loads]
+            served = res["served"]["loads"]
+            res["ratios"] += [row for load, target in TARGETS if load in loads for row in (
+                bu.ratio_row(f"{load} TPOT served default/floor (perf_analyzer, logprobs)",
+                             served[load]["floor_ratio"]["median"], target, False),
+                bu.ratio_row(f"{load} TPOT served default/floor (greedy, gRPC)",
+                             served[load]["grpc_floor_ratio"]["median"], target, False))]
     res["part2"] = run_part2(args) if "2" in parts else None
 
     text = "\n\n".join(

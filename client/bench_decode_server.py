@@ -5,15 +5,20 @@ One server over a copy of model_repository/ with nothing overridden (its threadi
 and spin are the committed ones). Per round and load: the read bandwidth (client/floors.py, this
 process, server idle, no busy loop), then perf_analyzer at concurrency 1 (`--streaming`, the
 `--input-data` of client/perf_data.py: one prompt of --input-len tokens, --tokens out, greedy,
-ignore_eos) with the busy loop running for a busy cell, then the bandwidth again. TPOT is the
-mean inter-token latency of perf_analyzer's profile export (what its users read as ITL); the
-floor is the step's bytes at the better of the two bandwidths around the cell. The server's
-prefix cache serves the repeated prompt after the first request: the decode steps, which are
-what is timed, are the same.
+ignore_eos) with the busy loop running for a busy cell, then the same prompt as plain greedy
+requests from tritonclient's gRPC stream, then the bandwidth again. TPOT is the mean
+inter-token latency of perf_analyzer's profile export (what its users read as ITL) and of the
+gRPC requests' token arrivals; the floor is the step's bytes at the better of the two
+bandwidths around the cell. Why both clients: perf_analyzer's inputs ask for
+`return_cumulative_logprob` (client/perf_data.py says why), so its rows read the whole float32
+lm_head; a plain greedy request takes the screened head (docs/architecture.md, Greedy
+lm_head). The server's prefix cache serves the repeated prompt after the first request: the
+decode steps, which are what is timed, are the same.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +53,14 @@ def _perf_analyzer(grpc_url: str, data: Path, requests: int, export: Path) -> di
     return summarize_export(export)
 
 
+def _grpc_greedy(grpc_url: str, prompt: str, tokens: int, requests: int) -> float:
+    """Median over `requests` sequential greedy requests (no logprobs) of their mean
+    inter-token latency, seconds, from tritonclient's gRPC stream (client/serve_overhead.py)."""
+    from client.serve_overhead import run_server
+    return statistics.median(run_server(grpc_url, "llm", [prompt], tokens)["mean_itl_ms"]
+                             for _ in range(requests)) / 1e3
+
+
 def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
     """Rounds x loads of the served default beside their floors; cells and per-load summaries."""
     from client import floors
@@ -63,6 +76,7 @@ def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
             data = _input_data(args, model_dir, Path(d) / "data.json")
             # the first request computes the prompt's KV (and any first-request cost): uncounted
             _perf_analyzer(srv.server.grpc_url, data, 1, Path(d) / "warm.json")
+            prompt = json.loads(data.read_text())["data"][0]["text_input"][0]
             for r in range(args.rounds):
                 for load in loads:
                     before = floors.read_bandwidth_gbs()
@@ -70,6 +84,8 @@ def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
                     try:
                         s = _perf_analyzer(srv.server.grpc_url, data, args.repeats,
                                            Path(d) / f"export-{r}-{load}.json")
+                        greedy = _grpc_greedy(srv.server.grpc_url, prompt, args.tokens,
+                                              args.repeats)
                     finally:
                         if busy is not None:
                             stop(busy)
@@ -77,22 +93,28 @@ def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
                     tpot = s["itl_ms"] / 1e3
                     cells.append({"round": r, "load": load, "tpot_s": tpot, "ttft_s": s["ttft_s"],
                                   "requests": s["requests"], "bandwidth_gbs": bw,
-                                  "floor_ratio": cell_ratio(tpot, bw, step_bytes)})
+                                  "floor_ratio": cell_ratio(tpot, bw, step_bytes),
+                                  "grpc_tpot_s": greedy,
+                                  "grpc_floor_ratio": cell_ratio(greedy, bw, step_bytes)})
                     print(f"served round {r} {load:>5}: ITL {tpot * 1e3:.1f} ms "
-                          f"(read {bw[0]:.1f}/{bw[1]:.1f} GB/s, /floor "
-                          f"{cells[-1]['floor_ratio']:.2f})", file=sys.stderr, flush=True)
+                          f"(greedy gRPC {greedy * 1e3:.1f}; read {bw[0]:.1f}/{bw[1]:.1f} GB/s, "
+                          f"/floor {cells[-1]['floor_ratio']:.2f}, "
+                          f"{cells[-1]['grpc_floor_ratio']:.2f})", file=sys.stderr, flush=True)
     finally:
         srv.stop()
-    by_load = {load: {"tpot_s": bu.summarize([c["tpot_s"] for c in cells if c["load"] == load]),
-                      "floor_ratio": bu.summarize([c["floor_ratio"] for c in cells
-                                                   if c["load"] == load])}
+    by_load = {load: {key: bu.summarize([c[key] for c in cells if c["load"] == load])
+                      for key in ("tpot_s", "floor_ratio", "grpc_tpot_s", "grpc_floor_ratio")}
                for load in loads}
     return {"cells": cells, "loads": by_load}
 
 
 def report(served: dict, requests: int) -> str:
-    rows = [[load, bu.fmt_spread(s["tpot_s"], 1e3), bu.fmt_spread(s["floor_ratio"], 1, 2)]
+    rows = [[load, bu.fmt_spread(s["tpot_s"], 1e3), bu.fmt_spread(s["floor_ratio"], 1, 2),
+             bu.fmt_spread(s["grpc_tpot_s"], 1e3), bu.fmt_spread(s["grpc_floor_ratio"], 1, 2)]
             for load, s in served["loads"].items()]
-    return bu.table(f"Served default (tritonserver, committed config, perf_analyzer conc 1, "
-                    f"{requests} requests per cell): ITL median [min-max] over cells",
-                    ["load", "TPOT ms", "/floor"], rows)
+    return bu.table(f"Served default (tritonserver, committed config, conc 1, {requests} requests "
+                    f"per cell and client): ITL median [min-max] over cells; perf_analyzer "
+                    f"(its inputs ask for logprobs: whole head), then plain greedy requests "
+                    f"from tritonclient's gRPC stream (screened head)",
+                    ["load", "perf_analyzer TPOT ms", "/floor", "greedy gRPC TPOT ms", "/floor"],
+                    rows)
