@@ -1,5 +1,5 @@
-"""The C++ CPU kernels' ISA variants (tpllm_kernels/cpu_ext.py): each variant this CPU can run, forced
-with TPLLM_CPU_ISA in its own process, matches the torch reference, and every variant computes
+"""The C++ CPU kernels' ISA variants (tpllm_kernels/cpu_ext.py): each variant this CPU can run,
+forced with TPLLM_CPU_ISA in its own process, matches the torch reference, and every variant computes
 the same float32 results (bit for bit: kernels, logits and greedy tokens of a tiny model with
 head_dim 64, the hand-tiled size) and bfloat16 logits within transformers' own bf16 error (the
 AVX512-BF16 GEMV sums pairs of products with vdpbf16ps, the others widen to float32 FMAs).

@@ -1,5 +1,5 @@
-"""The C++ kernels' worker team (tpllm_kernels/csrc/thread_team.h): every index of a loop runs exactly
-once whoever runs it, nested and empty loops, exceptions, one thread, concurrent callers, fork;
+"""The C++ kernels' worker team (tpllm_kernels/csrc/thread_team.h): every index of a loop runs
+exactly once whoever runs it, nested and empty loops, exceptions, one thread, concurrent callers, fork;
 the mode and spin switches; and the kernels and a decode compute the same bits on the team as on
 OpenMP (at::parallel_for). No timing is asserted: who runs which chunk depends on the machine."""
 from __future__ import annotations
@@ -134,7 +134,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_environment_sets_mode_and_spin():
-    code = "from tpllm_kernels import cpu_ops; print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())"
+    code = ("from tpllm_kernels import cpu_ops; "
+            "print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())")
     assert _python(code).stdout.split() == ["team", "100"]  # the defaults
     proc = _python(code, TPLLM_THREADING="omp", TPLLM_SPIN_US="7")
     assert proc.stdout.split() == ["omp", "7"], proc.stderr[-2000:]

@@ -152,8 +152,9 @@ def test_async_engine_reports_a_failed_warmup(tiny, monkeypatch):
 
 
 def test_library_gemm_shapes_after_ready_were_warmed(tiny, monkeypatch):
-    """oneDNN builds a kernel per (rows, K, N) the first time it meets one (tpllm_kernels/cpu_ops.py):
-    every GEMM shape a workload sends it after READY is one warmup already ran."""
+    """oneDNN builds a kernel per (rows, K, N) the first time it meets one
+    (tpllm_kernels/cpu_ops.py): every GEMM shape a workload sends it after READY is one warmup
+    already ran."""
     from tpllm_kernels import cpu_ops
     if not (cpu_ops.AVAILABLE and cpu_ops._onednn_available()):
         pytest.skip("no C++ kernels or no oneDNN linear")

@@ -1,5 +1,5 @@
-"""Builds and loads the fused C++ CPU kernels in tpllm_kernels/csrc, one module per x86 ISA level, and
-picks the best level the running CPU supports when the module loads (as ATen dispatches its own
+"""Builds and loads the fused C++ CPU kernels in tpllm_kernels/csrc, one module per x86 ISA level,
+and picks the best level the running CPU supports when the module loads (as ATen dispatches its own
 CPU kernels), instead of building for the build host's CPU (-march=native).
 
 Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16: the bf16 GEMV's vdpbf16ps),

@@ -6,7 +6,8 @@ kernel per tensor and is capturable in CUDA graphs; linear stays cuBLAS.
 """
 from tpllm_kernels.reference import linear, write_kv
 from tpllm_kernels.triton_activation import silu_mul
-from tpllm_kernels.triton_attention import decode_attention, prefill_attention, prefill_attention_varlen
+from tpllm_kernels.triton_attention import (decode_attention, prefill_attention,
+                                            prefill_attention_varlen)
 from tpllm_kernels.triton_norm import add_rms_norm, rms_norm
 from tpllm_kernels.triton_rotary import rotary
 
@@ -14,7 +15,8 @@ NAME = "triton"
 
 
 def rotary_write_kv(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping):
-    """Same contract as tpllm_kernels.reference.rotary_write_kv, with the Triton rotary (in place)."""
+    """Same contract as tpllm_kernels.reference.rotary_write_kv, with the Triton rotary (in
+    place)."""
     t, d = qkv.shape[0], cos.shape[-1]
     qk = rotary(qkv[:, :(num_q + num_kv) * d].view(t, num_q + num_kv, d), cos, sin)
     v = qkv[:, (num_q + num_kv) * d:].view(t, num_kv, d)

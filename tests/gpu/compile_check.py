@@ -1,7 +1,8 @@
 """Compile every Triton kernel for a real GPU target (sm_90, Hopper) on a machine without one.
 
-The wrappers in tpllm_kernels/ are called with CPU tensors at serving shapes while Triton's launch is
-replaced by compile-only ("warmup"), against a stand-in driver that reports an sm_90 target.
+The wrappers in tpllm_kernels/ are called with CPU tensors at serving shapes while Triton's
+launch is replaced by compile-only ("warmup"), against a stand-in driver that reports an sm_90
+target.
 This catches what the interpreter cannot (non-constexpr globals, unsupported ops or shapes,
 ptxas failures) and reports registers, spills and shared memory per kernel variant.
 
