@@ -394,41 +394,16 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
 }
 
+// Rows in parallel: r = x, or residual + x stored back into residual (at storage precision
+// first, as torch's `residual + x` does) when residual is given; out = rms_norm(r) * weight.
+// add_rms_norm_ passes out = x; rms_norm (the first layer's norm, no residual yet) passes none,
+// so both norms are one computation. Why C++ for the plain norm too: torch's rms_norm is a
+// composite of ~6 ops, each dispatched cold after a decode step's weight stream has evicted the
+// caches: 100-110 us a batch-1 step against 22-25 for this call (SmolLM2, 1024 in, 3 x 150
+// steps, perf_counter around the call; AMD EPYC Zen 5).
 template <typename T>
-void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
-                       double eps) {
-  const int64_t H = x.size(-1), N = x.numel() / H;
-  T* xp = x.data_ptr<T>();
-  T* rp = residual.data_ptr<T>();
-  const T* wp = weight.data_ptr<T>();
-  team::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> r(H);
-    for (int64_t row = begin; row < end; ++row) {
-      T* xr = xp + row * H;
-      T* rr = rp + row * H;
-      // The sum is stored at storage precision first, as torch's `residual + x` does.
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) {
-        const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
-        rr[i] = sum;
-        r[i] = to_f(sum);
-      }
-      const float ss = sum_squares(r.data(), H);
-      const float inv = 1.f / std::sqrt(ss / (float)H + (float)eps);
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) xr[i] = from_f<T>(to_f(wp[i]) * (r[i] * inv));
-    }
-  });
-}
-
-// out = rms_norm(x) * weight, rows in parallel: add_rms_norm_impl without the add, so the first
-// layer's norm (no residual yet) is computed as every later layer's is. Why C++: torch's
-// rms_norm is a composite of ~6 ops, each dispatched cold after a decode step's weight stream
-// has evicted the caches: 100-110 us a batch-1 step against 22-25 for this call (SmolLM2, 1024
-// in, 3 x 150 steps, perf_counter around the call; AMD EPYC Zen 5).
-template <typename T>
-void rms_norm_impl(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& weight,
-                   double eps) {
+void rms_norm_rows(const torch::Tensor& x, T* residual, torch::Tensor& out,
+                   const torch::Tensor& weight, double eps) {
   const int64_t H = x.size(-1), N = x.numel() / H;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -437,11 +412,21 @@ void rms_norm_impl(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
     std::vector<float> r(H);
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = xp + row * H;
-      T* orow = op + row * H;
+      if (residual != nullptr) {
+        T* rr = residual + row * H;
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) r[i] = to_f(xr[i]);
+        for (int64_t i = 0; i < H; ++i) {
+          const T sum = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
+          rr[i] = sum;
+          r[i] = to_f(sum);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) r[i] = to_f(xr[i]);
+      }
       const float ss = sum_squares(r.data(), H);
       const float inv = 1.f / std::sqrt(ss / (float)H + (float)eps);
+      T* orow = op + row * H;
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) orow[i] = from_f<T>(to_f(wp[i]) * (r[i] * inv));
     }
@@ -620,12 +605,12 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
               residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
               "add_rms_norm_: contiguous tensors of one dtype only");
   if (x.scalar_type() == torch::kBFloat16)
-    add_rms_norm_impl<bf16>(x, residual, weight, eps);
+    rms_norm_rows<bf16>(x, residual.data_ptr<bf16>(), x, weight, eps);
   else
-    add_rms_norm_impl<float>(x, residual, weight, eps);
+    rms_norm_rows<float>(x, residual.data_ptr<float>(), x, weight, eps);
 }
 
-// rms_norm(x) * weight into a new tensor (x unchanged): see rms_norm_impl.
+// rms_norm(x) * weight into a new tensor (x unchanged): see rms_norm_rows.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_storage(x, "rms_norm");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() &&
@@ -633,9 +618,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
               "rms_norm: contiguous x and weight of one dtype, weight over x's last dim");
   auto out = torch::empty_like(x);
   if (x.scalar_type() == torch::kBFloat16)
-    rms_norm_impl<bf16>(x, out, weight, eps);
+    rms_norm_rows<bf16>(x, nullptr, out, weight, eps);
   else
-    rms_norm_impl<float>(x, out, weight, eps);
+    rms_norm_rows<float>(x, nullptr, out, weight, eps);
   return out;
 }
 
