@@ -157,26 +157,30 @@ class TPGroup:
         # every worker screens greedy steps (greedy_head.py), as they said when ready
         self.screening_everywhere = True
         for rank, conn in enumerate(self._all_conns(), start=1):
-            if rank >= self.local_ranks:
-                detail = self._wait_remote_ready(rank, conn, deadline)
-                self.screening_everywhere &= bool((detail or {}).get("greedy_screening"))
-                continue
-            status, started = STARTED, False
-            while status == STARTED:
-                while not conn.poll(0.1):
-                    if not self._procs[rank - 1].is_alive():
-                        raise self._startup_failure(rank, started)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"tensor-parallel rank {rank} not ready in "
-                                           f"{timeout:.0f}s")
-                try:
-                    status, detail = conn.recv()
-                except (EOFError, OSError):  # it died before reporting (e.g. a failed spawn)
-                    raise self._startup_failure(rank, started) from None
-                started = True
-            if status != "ready":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            detail = (self._wait_remote_ready(rank, conn, deadline) if rank >= self.local_ranks
+                      else self._wait_local_ready(rank, conn, deadline, timeout))
             self.screening_everywhere &= bool((detail or {}).get("greedy_screening"))
+
+    def _wait_local_ready(self, rank: int, conn: Connection, deadline: float,
+                          timeout: float) -> dict | None:
+        """What local rank `rank` sent with its ready report; raises if it died, failed or
+        timed out first."""
+        status, started = STARTED, False
+        while status == STARTED:
+            while not conn.poll(0.1):
+                if not self._procs[rank - 1].is_alive():
+                    raise self._startup_failure(rank, started)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel rank {rank} not ready in "
+                                       f"{timeout:.0f}s")
+            try:
+                status, detail = conn.recv()
+            except (EOFError, OSError):  # it died before reporting (e.g. a failed spawn)
+                raise self._startup_failure(rank, started) from None
+            started = True
+        if status != "ready":
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+        return detail
 
     def _startup_failure(self, rank: int, started: bool = False) -> RuntimeError:
         """Why local rank `rank`, found dead during start-up, is gone: its own error report if
