@@ -18,6 +18,14 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--wait-policy", default="unset", choices=["passive", "active", "unset"],
                    help="OMP_WAIT_POLICY for this run; 'unset' runs without it (default)")
+    cap_isa_arg(p)
+
+
+def cap_isa_arg(p: argparse.ArgumentParser) -> None:
+    from client.isa_caps import CAPS
+    p.add_argument("--cap-isa", default=None, choices=sorted(CAPS),
+                   help="cap ATen, oneDNN, MKL and our kernels at this ISA (an AVX2 host's code "
+                        "paths on this CPU; its memory system stays; client/isa_caps.py)")
 
 
 def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
@@ -154,6 +162,7 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    cap_isa_arg(p)
     from client.bench_decode import DEFAULT_MODES
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma list: team, team-spin<us>, omp-passive, omp-active, omp-unset, "
@@ -265,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         from client import perf_analyzer
         return perf_analyzer.main(argparse.Namespace(tool=raw[0], tool_args=raw[1:]))
     args = build_parser().parse_args(argv)
+    if getattr(args, "cap_isa", None):  # before torch loads (a re-exec below inherits it)
+        from client import isa_caps
+        isa_caps.apply(args.cap_isa)
     if argv is None and hasattr(args, "wait_policy"):  # re-exec only reproduces the real argv
         _ensure_wait_policy(args.wait_policy)
     return importlib.import_module(args.runner).main(args) or 0

@@ -163,7 +163,7 @@ def child_main(spec_path: str, out_path: str) -> int:
     # one prompt: its first request (the probe) computes its KV, the timed ones reuse it (prefix
     # cache), so a cell costs one prefill; the decode steps are the same either way
     prompt = bu.make_prompts(1, spec["input_len"], vocab, spec["seed"])[0]
-    out = {"kernel_isa": cpu_ext.isa_level(),
+    out = {"kernel_isa": cpu_ext.isa_level(), "aten_isa": torch.backends.cpu.get_cpu_capability(),
            "threading": ext.threading_mode() if ext is not None else "none",
            "spin_us": ext.team_spin_us() if ext is not None else None,
            "torch_threads": torch.get_num_threads(), "pid": os.getpid(),

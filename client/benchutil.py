@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from client import isa_caps
+
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """`n` prompts of exactly `length` token ids. Ids come from the middle of the vocabulary so
@@ -140,7 +142,7 @@ def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "threading": threading_info(), "dtype": dtype,
             "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
-            "kernel_isa": kernel_isa(), "gemm": gemm_library(),
+            "kernel_isa": kernel_isa(), "isa_caps": isa_caps.in_effect(), "gemm": gemm_library(),
             "greedy_head": greedy_head_info(dtype), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
@@ -148,7 +150,8 @@ def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
 
 def header_line(info: dict[str, Any]) -> str:
     return (f"torch {info['torch']} | threads {info['threads']} | OMP_WAIT_POLICY "
-            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')}, GEMM "
+            f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')} "
+            f"({isa_caps.describe(info.get('isa_caps', {}))}), GEMM "
             f"{info.get('gemm', '?')}, threading "
             f"{info.get('threading', '?')}, greedy head {info.get('greedy_head', '?')} | "
             f"{info['dtype']} | "

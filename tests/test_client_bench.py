@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     assert data["info"]["omp_wait_policy"] == "PASSIVE"
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert data["info"]["gemm"] in ("mkl", "onednn")
+    assert data["info"]["isa_caps"]["aten"] in ("AVX512", "AVX2", "DEFAULT")
+    assert f"(ATen {data['info']['isa_caps']['aten']}" in proc.stdout
     names = [r["name"] for r in data["ratios"]]
     # no ratio against a constant measured on another machine (the old ours/vLLM-CPU line)
     assert names == ["(a) e2e ours/HF", "(a) TTFT ours/floor", "(a) TPOT ours/floor",
@@ -77,14 +80,20 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
 
 def test_bench_decode_smoke(tmp_path: Path) -> None:
     """`bench decode` end to end at toy sizes: two modes, quiet and busy, one round each
-    (~35 s on the 2-core development VM)."""
+    (~35 s on the 2-core development VM), capped at AVX2 (--cap-isa: every x86-64 CI host runs
+    AVX2, and on an AVX-512 host the cap must reach each mode's own process)."""
     out = tmp_path / "decode.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client", "bench", "decode", "--modes", "team,omp-passive",
          "--input-len", "24", "--tokens", "3", "--repeats", "1", "--rounds", "1",
-         "--parts", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--parts", "1", "--cap-isa", "avx2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    assert data["info"]["kernel_isa"] == "avx2" and data["info"]["isa_caps"]["aten"] == "AVX2"
+    assert data["info"]["isa_caps"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert all(c["kernel_isa"] == "avx2" and c["aten_isa"] == "AVX2" for c in data["cells"])
+    assert "kernels avx2 (ATen AVX2, caps " in proc.stdout
     assert [(m["mode"], m["load"]) for m in data["modes"]] == [
         ("team", "quiet"), ("team", "busy"), ("omp-passive", "quiet"), ("omp-passive", "busy")]
     for m in data["modes"]:
@@ -112,9 +121,20 @@ def test_bench_decode_smoke(tmp_path: Path) -> None:
         assert "paired" not in cells[mode, "busy"]
     assert [r["name"] for r in data["ratios"]] == ["quiet TPOT team/floor",
                                                    "busy TPOT team/floor"]
-    assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert data["part2"] is None  # --parts 1 (part 2: tests/test_speculation.py)
     assert "Part 1: batch-1 decode" in proc.stdout and "pinned to cpu" in proc.stdout
+
+
+def test_cap_isa_needs_torch_unloaded(monkeypatch) -> None:
+    """ATen and the GEMM libraries read their caps once, when torch loads: a cap applied after
+    that would be printed in the report without being in effect, so it is refused."""
+    import torch  # noqa: F401  (loaded in this process, as in any test)
+    from client import isa_caps
+    monkeypatch.delenv("TPLLM_CPU_ISA", raising=False)
+    with pytest.raises(RuntimeError, match="before torch"):
+        isa_caps.apply("avx2")
+    assert "TPLLM_CPU_ISA" not in os.environ
+    isa_caps.apply(None)  # no cap: nothing to do, at any time
 
 
 def test_paired_ratios_pair_each_round() -> None:
