@@ -40,6 +40,6 @@ def in_effect() -> dict[str, str]:
 
 
 def describe(caps: dict[str, str]) -> str:
-    """One phrase for a report header: 'ATen AVX512' or 'ATen AVX2, caps ONEDNN_MAX_CPU_ISA=AVX2 ...'."""
+    """One phrase for a report header: 'ATen AVX512', or 'ATen AVX2, caps ATEN_...=avx2 ...'."""
     set_vars = " ".join(f"{k}={v}" for k, v in caps.items() if k != "aten")
     return f"ATen {caps.get('aten', '?')}" + (f", caps {set_vars}" if set_vars else "")

@@ -37,18 +37,18 @@ def _kernel_outputs() -> dict[str, torch.Tensor]:
     out["linear_bf16"] = got = cpu_ops.linear(x[:1].bfloat16(), w.bfloat16())
     torch.testing.assert_close(got.float(), ref.linear(x[:1].bfloat16(), w.bfloat16()).float(),
                                rtol=2e-2, atol=2e-2)
-    # greedy screening (a head's bf16 copy, then the rows that can win): linear's argmax and
+    # greedy screening (a head's int8 or bf16 copy, then the rows that can win): linear's argmax and
     # logit, bit for bit (only where the variant has a bf16 GEMV: all but generic)
     from backend.model.greedy_head import GreedyScreen
-    head, xs = torch.randn(4099, 200, generator=g) * 0.05, torch.randn(3, 200, generator=g)
-    screen = GreedyScreen.build(head, cpu_ops)
-    assert screen is not None
-    tokens, out["greedy_logit"], _ = screen.screened(xs, head, screen.low, screen.row_norms,
-                                                     screen.eps)
+    head, xs = torch.randn(4099, 224, generator=g) * 0.05, torch.randn(3, 224, generator=g)
     full = cpu_ops.linear(xs, head)
-    out["greedy_token"] = tokens
-    assert torch.equal(tokens, full.argmax(dim=1))
-    assert torch.equal(out["greedy_logit"], full.gather(1, tokens[:, None])[:, 0])
+    for kind in ("q8", "bf16"):  # int8 groups or bf16 copy
+        screen = GreedyScreen.build(head, cpu_ops, kind)
+        assert screen is not None
+        tokens, out[f"greedy_logit_{kind}"], _ = screen.screen(xs, head)
+        out[f"greedy_token_{kind}"] = tokens
+        assert torch.equal(tokens, full.argmax(dim=1))
+        assert torch.equal(out[f"greedy_logit_{kind}"], full.gather(1, tokens[:, None])[:, 0])
     # decode attention, head_dim 64 (the two-pass kernel), 3 query heads per KV head, splits
     B, Hq, Hkv, D, BS, NB = 3, 6, 2, 64, 16, 24
     kc, vc = torch.randn(NB, BS, Hkv, D, generator=g), torch.randn(NB, BS, Hkv, D, generator=g)

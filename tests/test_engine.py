@@ -227,7 +227,7 @@ def test_weights_not_packed_when_memory_is_short(tiny_text_model, monkeypatch):
 
 
 def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model):
-    """Greedy-only steps read the lm_head's bf16 copy and recompute only the rows that can win
+    """Greedy-only steps read the lm_head's int8 copy and recompute only the rows that can win
     (backend/model/greedy_head.py): the same tokens as the full float32 head, batched, with
     speculation's verify rows, and beside requests that need every logit (which turn it off
     for their steps, with the same results as without it)."""

@@ -1,5 +1,5 @@
-"""The screened greedy head (backend/model/greedy_head.py, csrc greedy_argmax_screened): the
-token and logit of the full float32 head + argmax, bit for bit, from its bf16 copy."""
+"""The screened greedy head (backend/model/greedy_head.py, csrc greedy_argmax_screened*): the
+token and logit of the full float32 head + argmax, bit for bit, from its int8 (q8) or bf16 copy."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +11,9 @@ from tests.required import no_cpu_kernels
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 9, 64])
-@pytest.mark.parametrize("k, n", [(576, 4099), (100, 257), (48, 33)])
-def test_greedy_screen_is_linear_then_argmax(m, k, n):
+@pytest.mark.parametrize("k, n, kind", [(576, 4099, "q8"), (576, 4099, "bf16"), (96, 257, "q8"),
+                                        (100, 257, "bf16"), (48, 33, "bf16"), (32, 33, "q8")])
+def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     """The screened greedy head (backend/model/greedy_head.py) returns, bit for bit, the token
     and logit of linear + argmax: the first index among equal maxima included (tied rows win
     for row 0), across scales of x; a row that is not finite is handed back (-1)."""
@@ -22,14 +23,13 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n):
     g = torch.Generator().manual_seed(m * 7 + k)
     w = torch.randn(n, k, generator=g) * 0.05
     w[n // 2] = w[n - 1] = w[3]  # three equal rows: a tie for the maximum
-    screen = GreedyScreen.build(w, cpu_ops)
-    assert screen is not None
+    screen = GreedyScreen.build(w, cpu_ops, kind)
+    assert screen is not None and screen.kind == kind
     for scale in (0.01, 1.0, 30.0):
         x = torch.randn(m, k, generator=g) * scale
         x[0] = w[3] * 50 * scale  # row 0's maximum is the three-way tie
         full = cpu_ops.linear(x, w)
-        tokens, values, candidates = screen.screened(x, w, screen.low, screen.row_norms,
-                                                     screen.eps)
+        tokens, values, candidates = screen.screen(x, w)
         want = full.argmax(dim=1)
         assert tokens[0] == 3
         assert torch.equal(tokens, want)
@@ -41,20 +41,62 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n):
         assert int(torch.isfinite(logits).sum()) == m  # one logit per row, -inf elsewhere
     x = torch.randn(m, k, generator=g)
     x[m - 1, 5] = float("nan")
-    tokens, _, _ = screen.screened(x, w, screen.low, screen.row_norms, screen.eps)
+    tokens, _, _ = screen.screen(x, w)
     assert tokens[m - 1] == -1 and torch.equal(tokens[:m - 1], cpu_ops.linear(x, w)[:m - 1].argmax(1))
     logits = argmax_logits(*screen.best(x, w), n)
     assert not bool(torch.isfinite(logits[m - 1]).any())  # left for the caller's full row
 
 
-def test_greedy_screen_refuses_what_it_cannot_bound():
+def test_q8_screen_bound_and_choice():
+    """The q8 copy's per-row bound factor covers its quantization error (measured in float64,
+    0 where the head already is int8 groups, as a GGUF Q8_0 head is); q8 is the default where
+    the hidden size is a multiple of 32, bf16 elsewhere; q8 screens few rows on a head whose
+    rows are exactly int8 groups even with near-ties."""
+    from backend.model.greedy_head import Q8_GROUP, GreedyScreen, q8_copy
+    if not cpu_ops.GREEDY_SCREEN:
+        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 128, generator=g) * 0.05
+    q, scales, coef = q8_copy(w)
+    deq = (q.double().view(300, -1, Q8_GROUP) * scales.double()[..., None]).view(300, 128)
+    err = (w.double() - deq).norm(dim=1)
+    assert bool((coef.double() >= err).all()) and bool((err > 0).all())
+    assert int(q.abs().max()) == 127
+    # a head that is int8 groups already (as GGUF Q8_0 dequantized: float16 scales, so every
+    # q * scale is exact in float32): no quantization error, the bound is the sums' alone
+    half = scales.half().float()
+    exact = (q.double().view(300, -1, Q8_GROUP) * half.double()[..., None]).view(300, 128).float()
+    q2, s2, coef2 = q8_copy(exact)
+    assert torch.equal(q2, q) and torch.equal(s2, half)
+    sums_alone = 1.05 * 2.2 * 128 * 2.0 ** -24 * exact.double().norm(dim=1)
+    torch.testing.assert_close(coef2.double(), sums_alone, rtol=1e-6, atol=0)
+    assert GreedyScreen.build(w, cpu_ops).kind == "q8"
+    assert GreedyScreen.build(torch.randn(30, 100), cpu_ops).kind == "bf16"
+    assert GreedyScreen.build(torch.randn(30, 100), cpu_ops, "q8") is None  # 100 % 32
+    screen = GreedyScreen.build(exact, cpu_ops)
+    x = torch.randn(4, 128, generator=g)
+    x[1] = exact[7] * 40
+    exact[9] = exact[7]  # a tie: both rows must be recomputed
+    screen = GreedyScreen.build(exact, cpu_ops)
+    tokens, values, candidates = screen.screen(x, exact)
+    full = cpu_ops.linear(x, exact)
+    assert torch.equal(tokens, full.argmax(dim=1)) and int(tokens[1]) == 7
+    assert torch.equal(values, full.gather(1, tokens[:, None])[:, 0])
+    assert int(candidates[1]) == 2 and int(candidates.max()) <= 3
+    zero = torch.zeros(40, 64)  # all-zero groups: scale 0, q 0, exact
+    tokens, values, _ = GreedyScreen.build(zero, cpu_ops).screen(torch.randn(2, 64), zero)
+    assert tokens.tolist() == [0, 0] and values.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["q8", "bf16"])
+def test_greedy_screen_refuses_what_it_cannot_bound(kind):
     from backend.model.greedy_head import GreedyScreen
     w = torch.randn(40, 64)
-    assert GreedyScreen.build(w.bfloat16(), cpu_ops) is None  # bf16 head: nothing to save
+    assert GreedyScreen.build(w.bfloat16(), cpu_ops, kind) is None  # bf16 head: nothing to save
     bad = w.clone()
     bad[7, 3] = float("inf")
-    assert GreedyScreen.build(bad, cpu_ops) is None
-    assert GreedyScreen.build(w, ref) is None  # the torch reference has no screen
+    assert GreedyScreen.build(bad, cpu_ops, kind) is None
+    assert GreedyScreen.build(w, ref, kind) is None  # the torch reference has no screen
 
 
 def test_screened_head_takes_the_full_row_where_it_cannot_bound():

@@ -118,13 +118,25 @@ def greedy_screen_supported(weight: torch.Tensor) -> bool:
 
 
 def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
-                           row_norms: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...] | None:
+                           coef: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...] | None:
     """Each row's argmax of x @ weight^T and that logit, exactly as linear + argmax give them,
-    mostly from `low` (weight's bf16 copy; csrc/cpu_gemv_bf16.cpp): (tokens [B], logits [B],
-    candidates [B]; tokens -1 for a row that is not finite). None where it does not apply."""
+    mostly from `low` (weight's bf16 copy; csrc/cpu_gemv_bf16.cpp), each approximate logit n
+    within scale * |x| * coef[n] of the exact one: (tokens [B], logits [B], candidates [B];
+    tokens -1 for a row that is not finite). None where it does not apply."""
     if not (_BF16_GEMV and _small_m_f32(x, weight)):
         return None
-    return tuple(_ext.greedy_argmax_screened(x, weight, low, row_norms, eps))
+    return tuple(_ext.greedy_argmax_screened(x, weight, low, coef, scale))
+
+
+def greedy_argmax_screened_q8(x: torch.Tensor, weight: torch.Tensor, q: torch.Tensor,
+                              scales: torch.Tensor, coef: torch.Tensor
+                              ) -> tuple[torch.Tensor, ...] | None:
+    """greedy_argmax_screened from an int8 copy of the head in groups of 32 along the row
+    (q, their float32 scales; backend/model/greedy_head.py's q8_copy), a logit within
+    |x| * coef[n]. None where it does not apply."""
+    if not (_BF16_GEMV and _small_m_f32(x, weight)):
+        return None
+    return tuple(_ext.greedy_argmax_screened_q8(x, weight, q, scales, coef))
 
 
 def _plain_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:

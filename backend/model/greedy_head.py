@@ -1,19 +1,24 @@
-"""Greedy decoding without reading the whole float32 lm_head: exact tokens from half the bytes.
+"""Greedy decoding without reading the whole float32 lm_head: exact tokens, a fraction of the bytes.
 
 A batch-1 float32 decode step streams every weight once, and the lm_head (the tied embedding:
 vocab x hidden) is a fifth of SmolLM2's. A row that only takes the argmax of its logits (greedy,
 no logprobs, penalties, grammar or min_tokens: Sampler.argmax_only) needs one logit exactly, not
-49,152. So the kernel (tpllm_kernels/csrc/cpu_gemv_bf16.cpp, greedy_argmax_screened) computes every
-logit from a bf16 copy of the head, bounds each one's distance from the exact float32 logit,
-and recomputes in float32 only the few whose bound reaches the best lower bound (SmolLM2: 1-9).
+49,152. So the kernel (tpllm_kernels/csrc/cpu_gemv_bf16.cpp) computes every logit from a low-
+precision copy of the head, bounds each one's distance from the exact float32 logit, and
+recomputes in float32 only the few whose bound reaches the best lower bound (SmolLM2: 1-9).
 The token and its logit are bit for bit what the full head and argmax give, ties included.
 Under TP each rank screens its vocabulary slice and rank 0 gathers one (token, logit) pair per
 rank instead of the logits (ParallelLMHead.argmax_logits).
 
-The bound: with u = 2^-8 (bf16's unit roundoff) and x rounded to bf16 too (AVX512-BF16),
-|approx_n - exact_n| <= (2u + u^2 + 2 K 2^-24) * sum_k |x_k w_nk| <= eps |x| |w_n|
-(Cauchy-Schwarz; K 2^-24 bounds each float32 sum of K products; 5% on top covers the
-norms' own roundings). Costs a second copy of the head in bf16 (SmolLM2: 57 MB).
+Two copies, by what the hidden size allows:
+- "q8" (hidden a multiple of 32): int8 in groups of 32 along the row, a float32 scale each,
+  1.125 bytes a weight (SmolLM2: 32 MB). The bound is per row and measured, not assumed:
+  |approx_n - exact_n| <= |x| (e_n + g |q_n s_n|) with e_n = |w_n - q_n s_n| computed in float64
+  at load (SmolLM2's head came from a GGUF whose blocks are exactly such groups: e_n = 0) and
+  g = 2.2 K 2^-24 for the float32 sums; 5% on top covers the norms' own roundings.
+- "bf16": 2 bytes a weight (57 MB). With u = 2^-8 and x rounded to bf16 too (AVX512-BF16),
+  |approx_n - exact_n| <= (2u + u^2 + 2 K 2^-24) * sum_k |x_k w_nk| <= eps |x| |w_n|.
+Both hand the kernel coef[n] with |approx_n - exact_n| <= |x| coef[n].
 """
 from __future__ import annotations
 
@@ -30,38 +35,92 @@ _BF16_UNIT_ROUNDOFF = 2.0 ** -8
 _F32_UNIT_ROUNDOFF = 2.0 ** -24
 
 
+Q8_GROUP = 32  # weights per int8 scale (csrc greedy_argmax_screened_q8)
+_SLICE_ROWS = 8192  # float64 work a slice of the head at a time (a whole copy is 2x its size)
+
+
+def _sum_rounding(hidden: int) -> float:
+    """Relative bound of a float32 sum of `hidden` products (any order, fused or not)."""
+    return 2.2 * hidden * _F32_UNIT_ROUNDOFF
+
+
 def screening_eps(hidden: int) -> float:
-    """eps of the bound above for rows of `hidden` inputs."""
+    """The bf16 copy's eps (above) for rows of `hidden` inputs."""
     u = _BF16_UNIT_ROUNDOFF
-    return 1.05 * (2 * u + u * u + 2.2 * hidden * _F32_UNIT_ROUNDOFF)
+    return 1.05 * (2 * u + u * u + _sum_rounding(hidden))
+
+
+def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    # in huge pages, as the weights (host_memory): every screened step streams it
+    if like.device.type == "cpu":
+        return host_memory.zeros([shape], dtype)[0]
+    return torch.zeros(shape, dtype=dtype, device=like.device)
+
+
+def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V]) of a float32 head:
+    each group's scale is its largest magnitude / 127 (rounded to float32; q is the nearest
+    integer to w / scale, clamped to +-127), and coef the row's bound factor (module doc),
+    rounded up to float32."""
+    v, k = weight.shape
+    groups = k // Q8_GROUP
+    q = _host_zeros((v, k), torch.int8, weight)
+    scales = _host_zeros((v, groups), torch.float32, weight)
+    coef = torch.empty(v, dtype=torch.float32)
+    g = _sum_rounding(k)
+    for start in range(0, v, _SLICE_ROWS):
+        w = weight[start:start + _SLICE_ROWS].double().view(-1, groups, Q8_GROUP)
+        s = (w.abs().amax(dim=2) / 127).float().double()  # what the kernel multiplies by
+        qq = torch.where(s[..., None] > 0, torch.round(w / s[..., None].clamp_min(1e-300)),
+                         torch.zeros((), dtype=torch.float64)).clamp_(-127, 127)
+        wq = qq * s[..., None]  # exact in float64: 8-bit integers times float32 scales
+        err = (w - wq).flatten(1).norm(dim=1)
+        bound = 1.05 * (err + g * wq.flatten(1).norm(dim=1))
+        rows = slice(start, start + w.shape[0])
+        q[rows] = qq.flatten(1).to(torch.int8)
+        scales[rows] = s.float()
+        coef[rows] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
+    return q, scales, coef
 
 
 @dataclass
 class GreedyScreen:
-    low: torch.Tensor  # [V, K] bfloat16 copy of the head
-    row_norms: torch.Tensor  # [V] float32 |w_n|
-    eps: float
-    screened: Callable  # ops.greedy_argmax_screened
+    kind: str  # "q8" or "bf16" (module doc)
+    copies: tuple[torch.Tensor, ...]  # the kernel's arguments after (x, weight)
+    screened: Callable  # ops.greedy_argmax_screened_q8 or ops.greedy_argmax_screened
     rows: int = 0  # rows screened so far
     candidates: int = 0  # of them, logits recomputed in float32
 
     @classmethod
-    def build(cls, weight: torch.Tensor, ops: ModuleType) -> "GreedyScreen | None":
-        """None where the kernels cannot screen this head (not float32, no bf16 GEMV) or the
-        bound cannot hold (a weight that is not finite)."""
-        screened = getattr(ops, "greedy_argmax_screened", None)
+    def build(cls, weight: torch.Tensor, ops: ModuleType, kind: str | None = None
+              ) -> "GreedyScreen | None":
+        """The screen of this head: `kind`, or q8 where the hidden size takes it, else bf16.
+        None where the kernels cannot screen this head (not float32, no GEMV for the copy) or
+        the bound cannot hold (a weight that is not finite)."""
         supported = getattr(ops, "greedy_screen_supported", lambda w: False)
-        if screened is None or weight.dtype != torch.float32 or not supported(weight):
+        if weight.dtype != torch.float32 or not supported(weight):
+            return None
+        q8 = getattr(ops, "greedy_argmax_screened_q8", None)
+        if kind is None:
+            kind = "q8" if q8 is not None and weight.shape[1] % Q8_GROUP == 0 else "bf16"
+        screened = q8 if kind == "q8" else getattr(ops, "greedy_argmax_screened", None)
+        if screened is None or (kind == "q8" and weight.shape[1] % Q8_GROUP):
             return None
         with torch.inference_mode():
             if not bool(torch.isfinite(weight).all()):
                 return None
-            # in huge pages, as the weights (host_memory): every screened step streams it
-            low = host_memory.zeros([tuple(weight.shape)], torch.bfloat16)[0].copy_(weight) \
-                if weight.device.type == "cpu" else weight.to(torch.bfloat16)
-            # in float64, a slice at a time (a whole float64 copy of a large head is 2x its size)
-            row_norms = torch.cat([w.double().norm(dim=1).float() for w in weight.split(8192)])
-        return cls(low, row_norms, screening_eps(weight.shape[1]), screened)
+            if kind == "q8":
+                return cls(kind, q8_copy(weight), screened)
+            low = _host_zeros(tuple(weight.shape), torch.bfloat16, weight).copy_(weight)
+            eps = screening_eps(weight.shape[1])
+            coef = torch.cat([(w.double().norm(dim=1) * eps).float()
+                              for w in weight.split(_SLICE_ROWS)])
+            coef = torch.nextafter(coef, torch.tensor(float("inf")))  # rounded up
+            return cls(kind, (low, coef, 1.0), screened)
+
+    def screen(self, x: torch.Tensor, weight: torch.Tensor):
+        """The kernel's (tokens, logits, candidates), or None where it does not take x."""
+        return self.screened(x, weight, *self.copies)
 
     def best(self, x: torch.Tensor, weight: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -69,7 +128,7 @@ class GreedyScreen:
         is not finite: the bound needs finite values); None where the kernel does not take x
         (more rows than its GEMV's). Which rows fail depends on x alone: under TP every rank
         (same x) fails the same ones."""
-        got = self.screened(x, weight, self.low, self.row_norms, self.eps)
+        got = self.screen(x, weight)
         if got is None:
             return None
         tokens, values, candidates = got

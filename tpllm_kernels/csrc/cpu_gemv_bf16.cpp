@@ -84,6 +84,53 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
   return y.to(torch::kBFloat16);
 }
 
+namespace {
+
+// Steps 2-3 of the screens below: approx [B, V] is within |x_b| * scale * coef[n] (+ a denormal
+// margin) of each exact logit; every index whose bound reaches the best lower bound gets its
+// exact float32 logit, with the tile small_m_linear runs (each output's sum does not depend on
+// which rows are computed). {tokens, logits, candidates}; tokens -1 for a row that is not finite.
+std::vector<torch::Tensor> pick_exact(const torch::Tensor& x, const torch::Tensor& weight,
+                                      const torch::Tensor& approx, const torch::Tensor& coef,
+                                      double scale) {
+  const int64_t B = x.size(0), K = x.size(1), V = weight.size(0);
+  const float* ap = approx.data_ptr<float>();
+  const float* rn = coef.data_ptr<float>();
+  auto tokens = torch::full({B}, -1, torch::kInt64);
+  auto values = torch::zeros({B}, x.options());
+  auto candidates = torch::zeros({B}, torch::kInt64);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  int64_t* cp = candidates.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = xp + b * K;
+    double sq = 0.0;
+    for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
+    if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
+    // flushed bf16 denormals (vdpbf16ps) err by < K * 2^-126 * max |factor|: far below this
+    constexpr double kDenormalMargin = 1e-20;
+    const double s = scale * std::sqrt(sq);
+    const float* a = ap + b * V;
+    double lo = -HUGE_VAL;
+    for (int64_t n = 0; n < V; ++n) lo = std::max(lo, a[n] - s * rn[n] - kDenormalMargin);
+    int64_t best = -1, seen = 0;
+    float best_value = 0.f;
+    for (int64_t n = 0; n < V; ++n) {
+      if (a[n] + s * rn[n] + kDenormalMargin < lo) continue;
+      float y;
+      small_m::rows_by_inputs<small_m::FmaTile, 1>(wp + n * K, xr, 1, K, &y, 1);
+      ++seen;
+      if (best < 0 || y > best_value) best = n, best_value = y;  // ascending n: first of a tie
+    }
+    tp[b] = best, vp[b] = best_value, cp[b] = seen;
+  }
+  return {tokens, values, candidates};
+}
+
+}  // namespace
+
 // Greedy decoding over a float32 lm_head without reading all of it (ParallelLMHead.argmax_logits):
 // every row's argmax of x @ weight^T and that logit, bit for bit what small_m_linear computes
 // and argmax picks (the first index among equal maxima), read mostly from `low`, weight's bf16
@@ -121,36 +168,62 @@ std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor
 #elif defined(TPLLM_SIMD16)
   small_m::gemm<small_m::FmaTile>(lp, x.data_ptr<float>(), B, K, V, ap);
 #endif
-  auto tokens = torch::full({B}, -1, torch::kInt64);
-  auto values = torch::zeros({B}, x.options());
-  auto candidates = torch::zeros({B}, torch::kInt64);
+  return pick_exact(x, weight, approx, row_norms, eps);
+}
+
+// The same screen from an int8 copy of the head in groups of 32 along K, each with its float32
+// scale (a quarter of float32's bytes, plus an eighth for the scales: SmolLM2's head is 32 MB
+// instead of the bf16 copy's 57, ~5% of a batch-1 float32 decode step):
+//   approx[b, n] = sum_g scales[n, g] * (sum_{k in g} x[b, k] * q[n, k])   (float32 sums)
+// and coef[n] (the caller's: |w_n - q_n * scales_n| plus the sums' roundings over the row, see
+// backend/model/greedy_head.py) bounds |approx - exact| by |x| * coef[n]. Steps 2-3 as above.
+std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
+                                                     torch::Tensor q, torch::Tensor scales,
+                                                     torch::Tensor coef) {
+  TORCH_CHECK(bf16_gemv_supported(), "greedy_argmax_screened_q8: needs AVX2 or AVX-512");
+  constexpr int64_t kGroup = 32;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && q.sizes() == weight.sizes() &&
+                  x.size(1) == weight.size(1) && weight.size(1) % kGroup == 0 &&
+                  scales.dim() == 2 && scales.size(0) == weight.size(0) &&
+                  scales.size(1) == weight.size(1) / kGroup && coef.dim() == 1 &&
+                  coef.size(0) == weight.size(0),
+              "greedy_argmax_screened_q8: x [B, K], weight and q [V, K] (K a multiple of 32), "
+              "scales [V, K / 32], coef [V]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+                  q.scalar_type() == torch::kInt8 && scales.scalar_type() == torch::kFloat32 &&
+                  coef.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  weight.is_contiguous() && q.is_contiguous() && scales.is_contiguous() &&
+                  coef.is_contiguous(),
+              "greedy_argmax_screened_q8: contiguous float32 x, weight, scales, coef; int8 q");
+  const int64_t B = x.size(0), K = x.size(1), V = weight.size(0), G = K / kGroup;
+  auto approx = torch::empty({B, V}, x.options());
+#if defined(TPLLM_SIMD16)
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* rn = row_norms.data_ptr<float>();
-  int64_t* tp = tokens.data_ptr<int64_t>();
-  float* vp = values.data_ptr<float>();
-  int64_t* cp = candidates.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    const float* xr = xp + b * K;
-    double sq = 0.0;
-    for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
-    if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
-    // flushed bf16 denormals (vdpbf16ps) err by < K * 2^-126 * max |factor|: far below this
-    constexpr double kDenormalMargin = 1e-20;
-    const double s = eps * std::sqrt(sq);
-    const float* a = ap + b * V;
-    double lo = -HUGE_VAL;
-    for (int64_t n = 0; n < V; ++n) lo = std::max(lo, a[n] - s * rn[n] - kDenormalMargin);
-    int64_t best = -1, seen = 0;
-    float best_value = 0.f;
-    for (int64_t n = 0; n < V; ++n) {
-      if (a[n] + s * rn[n] + kDenormalMargin < lo) continue;
-      float y;
-      small_m::rows_by_inputs<small_m::FmaTile, 1>(wp + n * K, xr, 1, K, &y, 1);
-      ++seen;
-      if (best < 0 || y > best_value) best = n, best_value = y;  // ascending n: first of a tie
+  float* ap = approx.data_ptr<float>();
+  // as small_m::gemm's row-by-row path: each int8 row read once, in memory order, per thread
+  // chunk of >= ~64 KB; up to 4 inputs per pass over the row (more read it again from L1)
+  team::parallel_for(0, V, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+    using namespace simd;
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* qr = qp + n * K;
+      const float* sr = sp + n * G;
+      for (int64_t m0 = 0; m0 < B; m0 += 4) {
+        const int mm = static_cast<int>(std::min<int64_t>(4, B - m0));
+        F16 acc[4] = {set1(0.f), set1(0.f), set1(0.f), set1(0.f)};
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k = g * kGroup;
+          const F16 w0 = load(qr + k), w1 = load(qr + k + 16), s = set1(sr[g]);
+          for (int m = 0; m < mm; ++m) {
+            const float* xr = xp + (m0 + m) * K + k;
+            acc[m] = fma(fma(w1, load(xr + 16), w0 * load(xr)), s, acc[m]);
+          }
+        }
+        for (int m = 0; m < mm; ++m) ap[(m0 + m) * V + n] = reduce_add(acc[m]);
+      }
     }
-    tp[b] = best, vp[b] = best_value, cp[b] = seen;
-  }
-  return {tokens, values, candidates};
+  });
+#endif
+  return pick_exact(x, weight, approx, coef, 1.0);
 }

@@ -758,6 +758,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear_bf16", &small_m_linear_bf16);
   m.def("bf16_gemv_supported", &bf16_gemv_supported);
   m.def("greedy_argmax_screened", &greedy_argmax_screened);
+  m.def("greedy_argmax_screened_q8", &greedy_argmax_screened_q8);
   bind_decode_layer(m);
   bind_thread_team(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);

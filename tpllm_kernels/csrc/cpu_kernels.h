@@ -33,6 +33,9 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
 std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
                                                   torch::Tensor low, torch::Tensor row_norms,
                                                   double eps);
+std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
+                                                     torch::Tensor q, torch::Tensor scales,
+                                                     torch::Tensor coef);
 // shm_all_reduce with the sum written to `out` (x itself allowed: a fused kernel's own partial,
 // no allocation); returns whether every rank arrived within the spins (else out is untouched)
 bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,

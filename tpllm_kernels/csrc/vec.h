@@ -55,6 +55,11 @@ inline F16 load(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+// 16 int8 widened to float: exact
+inline F16 load(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+}
 inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
 inline F16 set1(float x) { return {_mm512_set1_ps(x)}; }
 inline F16 operator+(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -123,6 +128,11 @@ inline F16 combine(const Quad* f) {
 constexpr int kRegsPerVec = 2;
 struct F16 { __m256 lo, hi; };
 inline F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F16 load(const int8_t* p) {  // 16 int8 widened to float: exact
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+}
 inline F16 load(const uint16_t* p) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
