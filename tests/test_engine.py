@@ -188,6 +188,47 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     assert stack == halves == modular
 
 
+def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch):
+    """bf16 at one rank: decode steps of up to FUSED_DECODE_BF16_ROWS rows run all layers in
+    one C++ call (or two per layer) with the bf16 GEMV the modular path uses: the same tokens
+    and log-probabilities, to the bit (qkv bias included); a larger batch stays modular."""
+    from tpllm_kernels import cpu_ops
+    if not cpu_ops.AVAILABLE or not cpu_ops.FUSED_DECODE_BF16_ROWS:
+        no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
+    llm = LLM(model=str(tiny_text_model), dtype="bfloat16", num_kv_blocks=256, block_size=8)
+    model = llm.engine.runner.model
+    calls = []
+    for name in ("decode_stack", "decode_attention_half"):
+        fn = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
+    prompts = ["The quick brown fox", "Once upon a time there"]
+    assert len(prompts) == cpu_ops.FUSED_DECODE_BF16_ROWS
+
+    def run(stack: bool, fused: bool, batch=prompts):
+        model.fused_stack, model.fused_decode = stack, fused
+        calls.clear()
+        try:
+            out = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(batch, sp)
+                   + llm.generate(batch[:1], sp)]
+        finally:
+            model.fused_stack = model.fused_decode = True
+        return out, set(calls)
+
+    stack, used = run(True, True)
+    assert used == {"decode_stack"}
+    halves, used = run(False, True)
+    assert used == {"decode_attention_half"}
+    modular, used = run(False, False)
+    assert not used
+    assert stack == halves == modular
+    three = prompts + ["1 2 3"]  # 3 rows: oneDNN's GEMM in the modular path, so not fused
+    calls.clear()
+    llm.generate(three, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert not calls
+    llm.close()
+
+
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
 def test_full_decode_batch_runs_from_packed_weights(tiny_text_model, monkeypatch, library):
     """On CPU the linears keep packed weights (MKL's or oneDNN's) for the largest decode

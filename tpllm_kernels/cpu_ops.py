@@ -357,6 +357,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 AVAILABLE = _ext is not None
 _BF16_GEMV = AVAILABLE and _ext.bf16_gemv_supported()
+# A bf16 decode-only step of at most this many rows at one rank runs fused too (FUSED_DECODE):
+# the rows the modular path's bf16 GEMV takes (beyond them it is oneDNN's), so the fused layers
+# run the same arithmetic
+FUSED_DECODE_BF16_ROWS = BF16_SMALL_M if _BF16_GEMV else 0
 # the screened greedy head (greedy_argmax_screened) runs on the bf16 GEMV's tiles
 GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
 

@@ -64,6 +64,16 @@ bool bf16_gemv_supported() {
 // x [M, K], weight [N, K], bias [N] or undefined: contiguous bfloat16; y in bfloat16.
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias) {
+  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  small_m_linear_bf16_into(x, weight, bias, y);
+  return y;
+}
+
+// The same into y [M, N] (contiguous bfloat16), e.g. a fused decode step's workspace. The float32
+// sums (and x widened, without AVX512-BF16) go through scratch kept per thread, so a decode step
+// allocates nothing; y = bf16(sum + bias) rounded once, as torch's y32.add_(bias).to(bf16).
+void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   TORCH_CHECK(bf16_gemv_supported(), "small_m_linear_bf16: needs AVX2 or AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_m_linear_bf16: x [M, K] and weight [N, K]");
@@ -71,17 +81,29 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                   x.is_contiguous() && weight.is_contiguous(),
               "small_m_linear_bf16: contiguous bfloat16 only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == torch::kBFloat16 && y.size(0) == M &&
+                  y.size(1) == N, "small_m_linear_bf16: y [M, N] contiguous bfloat16");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                            bias->numel() == N), "small_m_linear_bf16: bias [N] bfloat16");
+  thread_local std::vector<float> sums, widened;
+  sums.resize(M * N);
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  float* yp = y.data_ptr<float>();
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
 #if defined(__AVX512BF16__)
-  small_m::gemm<Bf16Tile>(wp, reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, N, yp);
+  small_m::gemm<Bf16Tile>(wp, xp, M, K, N, sums.data());
 #elif defined(TPLLM_SIMD16)
-  const auto xf = x.to(torch::kFloat32);  // exact; M x K floats, read from L1 by every tile
-  small_m::gemm<small_m::FmaTile>(wp, xf.data_ptr<float>(), M, K, N, yp);
+  widened.resize(M * K);  // exact; M x K floats, read from L1 by every tile
+  for (int64_t i = 0; i < M * K; ++i) widened[i] = small_m::widen(xp[i]);
+  small_m::gemm<small_m::FmaTile>(wp, widened.data(), M, K, N, sums.data());
 #endif
-  if (bias.has_value() && bias->defined()) y.add_(*bias);  // in fp32, one rounding below
-  return y.to(torch::kBFloat16);
+  const auto* bp = has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      const float v = sums[m * N + n];
+      yp[m * N + n] = c10::BFloat16(bp ? v + static_cast<float>(bp[n]) : v);
+    }
 }
 
 namespace {

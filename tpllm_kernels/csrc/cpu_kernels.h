@@ -29,6 +29,8 @@ void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
 bool bf16_gemv_supported();
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias);
+void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
 // every row's argmax of x @ weight^T and its logit, mostly from weight's bf16 copy (cpu_gemv_bf16.cpp)
 std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
                                                   torch::Tensor low, torch::Tensor row_norms,

@@ -1,6 +1,6 @@
-// The decoder layers of a decode-only step (float32, a few rows) in C++: every layer in one call
-// (decode_stack: one rank; decode_stack_tp: a tensor-parallel rank, each layer half ending in its
-// shared-memory all-reduce), or a layer as two calls split at its two collectives (the halves:
+// The decoder layers of a decode-only step (float32, or bf16 at one rank; a few rows) in C++:
+// every layer in one call (decode_stack: one rank; decode_stack_tp: a tensor-parallel rank, each
+// layer half ending in its shared-memory all-reduce), or a layer as two calls split at its two collectives (the halves:
 // when the all-reduces go through Python, e.g. over gloo).
 //
 // Why: the same kernels called one by one from Python cost ~10 Python-level calls per layer,
@@ -15,6 +15,16 @@
 #include <tuple>
 
 namespace {
+
+// x @ weight^T (+ bias) into y: float32, or bfloat16 (a few rows; sums in float32, y rounded
+// once), as cpu_ops.linear computes them for the modular path
+void linear_into(const torch::Tensor& x, const torch::Tensor& weight,
+                 const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  if (weight.scalar_type() == torch::kBFloat16)
+    small_m_linear_bf16_into(x, weight, bias, y);
+  else
+    small_m_linear_into(x, weight, bias, y);
+}
 
 // A decode step's intermediates for B rows, allocated once per call of a whole stack instead of
 // in every layer (each allocation there cost ~5 us: its code gone cold after the GEMVs). q and
@@ -63,11 +73,11 @@ std::vector<torch::Tensor> decode_attention_half(
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
     const torch::Tensor& block_tables, const torch::Tensor& context_lens, Workspace& ws) {
   if (add_residual) add_rms_norm_(x, residual, l.norm1, l.eps1);
-  small_m_linear_into(x, l.qkv_w, l.qkv_b, ws.qkv);
+  linear_into(x, l.qkv_w, l.qkv_b, ws.qkv);
   rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
   paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens, l.scale,
                               l.kv_index, 0, ws.attn);
-  small_m_linear_into(ws.attn2d, l.o_w, c10::nullopt, ws.o);
+  linear_into(ws.attn2d, l.o_w, c10::nullopt, ws.o);
   return {ws.o, residual};
 }
 
@@ -77,9 +87,9 @@ std::vector<torch::Tensor> decode_attention_half(
 std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x,
                                            torch::Tensor residual, Workspace& ws) {
   add_rms_norm_(x, residual, l.norm2, l.eps2);
-  small_m_linear_into(x, l.gate_up_w, l.gate_up_b, ws.gate_up);
+  linear_into(x, l.gate_up_w, l.gate_up_b, ws.gate_up);
   silu_mul_into(ws.gate_up, ws.h);
-  small_m_linear_into(ws.h, l.down_w, c10::nullopt, ws.down);
+  linear_into(ws.h, l.down_w, c10::nullopt, ws.down);
   return {ws.down, residual};
 }
 
