@@ -49,6 +49,13 @@ def _kernel_outputs() -> dict[str, torch.Tensor]:
         out[f"greedy_token_{kind}"] = tokens
         assert torch.equal(tokens, full.argmax(dim=1))
         assert torch.equal(out[f"greedy_logit_{kind}"], full.gather(1, tokens[:, None])[:, 0])
+    # a bf16 head's screen: this variant's bf16 linear + argmax (its sums differ between
+    # variants within bf16's tolerance, so checked here, not across variants)
+    head16, xs16 = head.bfloat16(), xs[:2].bfloat16()
+    full16 = cpu_ops.linear(xs16, head16).float()
+    tokens, values, _ = GreedyScreen.build(head16, cpu_ops).screen(xs16, head16)
+    assert torch.equal(tokens, full16.argmax(dim=1))
+    assert torch.equal(values, full16.gather(1, tokens[:, None])[:, 0])
     # decode attention, head_dim 64 (the two-pass kernel), 3 query heads per KV head, splits
     B, Hq, Hkv, D, BS, NB = 3, 6, 2, 64, 16, 24
     kc, vc = torch.randn(NB, BS, Hkv, D, generator=g), torch.randn(NB, BS, Hkv, D, generator=g)

@@ -267,19 +267,24 @@ def test_weights_not_packed_when_memory_is_short(tiny_text_model, monkeypatch):
         assert llm.generate("Hello", SamplingParams(max_tokens=2)).pop().token_ids
 
 
-def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model, dtype):
     """Greedy-only steps read the lm_head's int8 copy and recompute only the rows that can win
-    (backend/model/greedy_head.py): the same tokens as the full float32 head, batched, with
-    speculation's verify rows, and beside requests that need every logit (which turn it off
-    for their steps, with the same results as without it)."""
-    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8)
+    (backend/model/greedy_head.py): the same tokens as the full head (float32, or bf16's
+    rounded logits, ties and all), batched, with speculation's verify rows, and beside requests
+    that need every logit (which turn it off for their steps, with the same results as without
+    it). bf16 screens the batches its GEMV takes (2 rows)."""
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=256, block_size=8, dtype=dtype)
     prompts = ["The quick brown fox", "Once upon a time there", "1 2 3 4 1 2 3 4 1 2"]
+    if dtype == "bfloat16":
+        prompts = [prompts[0], prompts[2]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
 
     def run(**extra):
         with LLM(**kw, **extra) as llm:
-            outs = llm.generate(prompts, greedy) + llm.generate(prompts, [greedy, logprobs, greedy])
+            outs = llm.generate(prompts, greedy) + llm.generate(
+                prompts, [greedy, logprobs, greedy][:len(prompts)])
             return [(o.token_ids, o.cumulative_logprob) for o in outs], \
                 llm.engine.runner.model.lm_head.screen
 
@@ -289,6 +294,6 @@ def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model):
     if screen is None:
         no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
     assert got == want
-    assert screen.rows >= 3 * 11 and screen.candidates >= screen.rows
+    assert screen.rows >= len(prompts) * 11 and screen.candidates >= screen.rows
     spec, screen = run(speculative_ngram=3)
     assert [t for t, _ in spec] == [t for t, _ in want] and screen.rows > 0

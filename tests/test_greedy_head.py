@@ -88,11 +88,46 @@ def test_q8_screen_bound_and_choice():
     assert tokens.tolist() == [0, 0] and values.tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_bf16_head_screen_is_bf16_linear_then_argmax(m):
+    """A bf16 head's screen (int8 copy) returns what the bf16 linear + argmax give: its logits
+    are float32 sums rounded to bf16, so near-maxima collapse into ties, and the first index of
+    the largest rounded value wins."""
+    from backend.model.greedy_head import GreedyScreen
+    if not cpu_ops.GREEDY_SCREEN:
+        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+    g = torch.Generator().manual_seed(11 + m)
+    w = (torch.randn(4099, 128, generator=g) * 0.05).bfloat16()
+    screen = GreedyScreen.build(w, cpu_ops)
+    assert screen is not None and screen.kind == "q8"
+    assert GreedyScreen.build(w, cpu_ops, "bf16") is None  # a bf16 copy of bf16 saves nothing
+    ties = 0
+    for scale in (0.01, 1.0, 30.0):
+        for trial in range(4):
+            x = (torch.randn(m, 128, generator=g) * scale).bfloat16()
+            x[0] = (w[100].float() * 40 * scale).bfloat16()
+            w2 = w.clone()
+            w2[300] = w2[100]  # an exact tie; rounding adds near-ties
+            w2[200] = (w2[100].float() * (1 - 2.0 ** -9)).bfloat16()
+            s2 = GreedyScreen.build(w2, cpu_ops)
+            full = cpu_ops.linear(x, w2).float()
+            tokens, values, candidates = s2.screen(x, w2)
+            want = full.argmax(dim=1)
+            assert torch.equal(tokens, want), (scale, trial)
+            assert torch.equal(values, full.gather(1, want[:, None])[:, 0])
+            ties += int((full[0] == full[0].max()).sum()) - 1
+            assert int(candidates[0]) >= 2
+    assert ties > 0  # the rounding's ties were exercised
+    three = torch.randn(3, 128, generator=g).bfloat16()  # more rows than the bf16 GEMV takes
+    assert screen.screen(three, w) is None
+
+
 @pytest.mark.parametrize("kind", ["q8", "bf16"])
 def test_greedy_screen_refuses_what_it_cannot_bound(kind):
     from backend.model.greedy_head import GreedyScreen
     w = torch.randn(40, 64)
-    assert GreedyScreen.build(w.bfloat16(), cpu_ops, kind) is None  # bf16 head: nothing to save
+    if kind == "bf16":  # a bf16 head: its bf16 copy would save nothing
+        assert GreedyScreen.build(w.bfloat16(), cpu_ops, kind) is None
     bad = w.clone()
     bad[7, 3] = float("inf")
     assert GreedyScreen.build(bad, cpu_ops, kind) is None

@@ -112,9 +112,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def greedy_screen_supported(weight: torch.Tensor) -> bool:
-    """Whether greedy_argmax_screened can take this lm_head weight."""
-    return (GREEDY_SCREEN and weight.dim() == 2 and weight.dtype == torch.float32
-            and weight.is_contiguous())
+    """Whether greedy_argmax_screened(_q8) can take this lm_head weight: float32, or bf16 (the
+    int8 copy only: greedy_head.py)."""
+    return (GREEDY_SCREEN and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16))
 
 
 def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
@@ -133,8 +134,12 @@ def greedy_argmax_screened_q8(x: torch.Tensor, weight: torch.Tensor, q: torch.Te
                               ) -> tuple[torch.Tensor, ...] | None:
     """greedy_argmax_screened from an int8 copy of the head in groups of 32 along the row
     (q, their float32 scales; backend/model/greedy_head.py's q8_copy), a logit within
-    |x| * coef[n]. None where it does not apply."""
-    if not (_BF16_GEMV and _small_m_f32(x, weight)):
+    |x| * coef[n]. A bf16 head (x bf16, the rows small_m_linear_bf16 takes) gets linear's bf16
+    logits: the first of the largest rounded values. None where it does not apply."""
+    bf16_rows = (x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
+                 and weight.dtype == torch.bfloat16 and x.is_contiguous()
+                 and weight.is_contiguous())
+    if not (_BF16_GEMV and (_small_m_f32(x, weight) or bf16_rows)):
         return None
     return tuple(_ext.greedy_argmax_screened_q8(x, weight, q, scales, coef))
 

@@ -45,9 +45,9 @@ class EngineConfig:
     # fewest rows for the most accepted tokens of 2-6 (session 15, bench speculation's prompts)
     speculative_ngram: int = 0
     speculative_ngram_match: int = 4
-    # CPU float32: steps whose rows are all plain greedy read an int8 (or bf16) copy of the
-    # lm_head (each TP rank its slice) and only the few float32 rows that can win (exact
-    # tokens; the copy costs 0.28x (0.5x) the head's memory again:
+    # CPU float32 and bf16: steps whose rows are all plain greedy read an int8 (or bf16) copy
+    # of the lm_head (each TP rank its slice) and only the few rows that can win (exact tokens;
+    # the copy costs 0.28x (0.5x) a float32 head's memory again, 0.56x a bf16 one's:
     # backend/model/greedy_head.py); off only for A/B
     greedy_screening: bool = True
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)

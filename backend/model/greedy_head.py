@@ -19,6 +19,10 @@ Two copies, by what the hidden size allows:
 - "bf16": 2 bytes a weight (57 MB). With u = 2^-8 and x rounded to bf16 too (AVX512-BF16),
   |approx_n - exact_n| <= (2u + u^2 + 2 K 2^-24) * sum_k |x_k w_nk| <= eps |x| |w_n|.
 Both hand the kernel coef[n] with |approx_n - exact_n| <= |x| coef[n].
+A bf16 head (dtype="bfloat16") gets the q8 copy too (0.56x its bytes), for the batches whose
+logits the bf16 GEMV computes (1-2 rows): those logits are float32 sums rounded to bf16, so the
+candidates are every row whose sum can round to the best lower bound's bf16 value or above (g
+counts the exact sum's own rounding once more), and the first of the largest rounded wins.
 """
 from __future__ import annotations
 
@@ -58,10 +62,10 @@ def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) 
 
 
 def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V]) of a float32 head:
-    each group's scale is its largest magnitude / 127 (rounded to float32; q is the nearest
-    integer to w / scale, clamped to +-127), and coef the row's bound factor (module doc),
-    rounded up to float32."""
+    """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V]) of a float32 or bf16
+    head: each group's scale is its largest magnitude / 127 (rounded to float32; q is the
+    nearest integer to w / scale, clamped to +-127), and coef the row's bound factor (module
+    doc; a bf16 head's own float32 sum rounds too: g |w_n| more), rounded up to float32."""
     v, k = weight.shape
     groups = k // Q8_GROUP
     q = _host_zeros((v, k), torch.int8, weight)
@@ -76,6 +80,8 @@ def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         wq = qq * s[..., None]  # exact in float64: 8-bit integers times float32 scales
         err = (w - wq).flatten(1).norm(dim=1)
         bound = 1.05 * (err + g * wq.flatten(1).norm(dim=1))
+        if weight.dtype == torch.bfloat16:  # the exact logit is itself a float32 sum
+            bound += 1.05 * g * w.flatten(1).norm(dim=1)
         rows = slice(start, start + w.shape[0])
         q[rows] = qq.flatten(1).to(torch.int8)
         scales[rows] = s.float()
@@ -98,11 +104,13 @@ class GreedyScreen:
         None where the kernels cannot screen this head (not float32, no GEMV for the copy) or
         the bound cannot hold (a weight that is not finite)."""
         supported = getattr(ops, "greedy_screen_supported", lambda w: False)
-        if weight.dtype != torch.float32 or not supported(weight):
+        if weight.dtype not in (torch.float32, torch.bfloat16) or not supported(weight):
             return None
         q8 = getattr(ops, "greedy_argmax_screened_q8", None)
         if kind is None:
             kind = "q8" if q8 is not None and weight.shape[1] % Q8_GROUP == 0 else "bf16"
+        if weight.dtype == torch.bfloat16 and kind != "q8":  # a bf16 copy saves nothing
+            return None
         screened = q8 if kind == "q8" else getattr(ops, "greedy_argmax_screened", None)
         if screened is None or (kind == "q8" and weight.shape[1] % Q8_GROUP):
             return None

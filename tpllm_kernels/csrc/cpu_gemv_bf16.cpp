@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -108,26 +110,44 @@ void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weigh
 
 namespace {
 
+// The next bfloat16 value below v's bf16 rounding (towards -inf): no float32 value under it
+// rounds to bf16(v) or above.
+float bf16_step_below(float v) {
+  const float r = static_cast<float>(c10::BFloat16(v));
+  if (!std::isfinite(r)) return r < 0 ? r : std::numeric_limits<float>::max();
+  uint32_t bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  // one bf16 ulp toward -inf: magnitude up for negatives, down for positives (0 -> -denormal)
+  if (r == 0.f) bits = 0x80010000u;
+  else if (bits >> 31) bits += 0x10000u;
+  else bits -= 0x10000u;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // Steps 2-3 of the screens below: approx [B, V] is within |x_b| * scale * coef[n] (+ a denormal
 // margin) of each exact logit; every index whose bound reaches the best lower bound gets its
-// exact float32 logit, with the tile small_m_linear runs (each output's sum does not depend on
-// which rows are computed). {tokens, logits, candidates}; tokens -1 for a row that is not finite.
-std::vector<torch::Tensor> pick_exact(const torch::Tensor& x, const torch::Tensor& weight,
+// exact logit from exact(b, n) (the head's own GEMV tile: each output's sum does not depend on
+// which rows are computed). With round_bf16 the exact logits are the float32 sums rounded to
+// bf16, as a bf16 head's linear returns them: every index whose sum can round to the best
+// lower bound's bf16 value or above is a candidate (ties are common there), and the first of
+// the largest rounded values wins. {tokens, logits, candidates}; tokens -1 for a row that is
+// not finite. xf: x's rows in float32 (the bound's |x|).
+template <class Exact>
+std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int64_t V,
                                       const torch::Tensor& approx, const torch::Tensor& coef,
-                                      double scale) {
-  const int64_t B = x.size(0), K = x.size(1), V = weight.size(0);
+                                      double scale, bool round_bf16, Exact exact) {
   const float* ap = approx.data_ptr<float>();
   const float* rn = coef.data_ptr<float>();
   auto tokens = torch::full({B}, -1, torch::kInt64);
-  auto values = torch::zeros({B}, x.options());
+  auto values = torch::zeros({B}, approx.options());
   auto candidates = torch::zeros({B}, torch::kInt64);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* vp = values.data_ptr<float>();
   int64_t* cp = candidates.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const float* xr = xp + b * K;
+    const float* xr = xf + b * K;
     double sq = 0.0;
     for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
     if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
@@ -137,18 +157,28 @@ std::vector<torch::Tensor> pick_exact(const torch::Tensor& x, const torch::Tenso
     const float* a = ap + b * V;
     double lo = -HUGE_VAL;
     for (int64_t n = 0; n < V; ++n) lo = std::max(lo, a[n] - s * rn[n] - kDenormalMargin);
+    if (round_bf16) lo = bf16_step_below(static_cast<float>(lo));
     int64_t best = -1, seen = 0;
     float best_value = 0.f;
     for (int64_t n = 0; n < V; ++n) {
       if (a[n] + s * rn[n] + kDenormalMargin < lo) continue;
-      float y;
-      small_m::rows_by_inputs<small_m::FmaTile, 1>(wp + n * K, xr, 1, K, &y, 1);
+      float y = exact(b, n);
+      if (round_bf16) y = static_cast<float>(c10::BFloat16(y));
       ++seen;
       if (best < 0 || y > best_value) best = n, best_value = y;  // ascending n: first of a tie
     }
     tp[b] = best, vp[b] = best_value, cp[b] = seen;
   }
   return {tokens, values, candidates};
+}
+
+// float32 head: a row's logit as small_m_linear computes it
+auto float_rows(const float* xp, const float* wp, int64_t K) {
+  return [=](int64_t b, int64_t n) {
+    float y;
+    small_m::rows_by_inputs<small_m::FmaTile, 1>(wp + n * K, xp + b * K, 1, K, &y, 1);
+    return y;
+  };
 }
 
 }  // namespace
@@ -190,7 +220,8 @@ std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor
 #elif defined(TPLLM_SIMD16)
   small_m::gemm<small_m::FmaTile>(lp, x.data_ptr<float>(), B, K, V, ap);
 #endif
-  return pick_exact(x, weight, approx, row_norms, eps);
+  return pick_exact(x.data_ptr<float>(), B, K, V, approx, row_norms, eps, false,
+                    float_rows(x.data_ptr<float>(), weight.data_ptr<float>(), K));
 }
 
 // The same screen from an int8 copy of the head in groups of 32 along K, each with its float32
@@ -199,6 +230,8 @@ std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor
 //   approx[b, n] = sum_g scales[n, g] * (sum_{k in g} x[b, k] * q[n, k])   (float32 sums)
 // and coef[n] (the caller's: |w_n - q_n * scales_n| plus the sums' roundings over the row, see
 // backend/model/greedy_head.py) bounds |approx - exact| by |x| * coef[n]. Steps 2-3 as above.
+// A bf16 head (x and weight bf16, at most 2 rows: what small_m_linear_bf16 takes) gets the
+// logits small_m_linear_bf16 returns: float32 sums of its tile, rounded to bf16.
 std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
                                                      torch::Tensor q, torch::Tensor scales,
                                                      torch::Tensor coef) {
@@ -211,18 +244,22 @@ std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Ten
                   coef.size(0) == weight.size(0),
               "greedy_argmax_screened_q8: x [B, K], weight and q [V, K] (K a multiple of 32), "
               "scales [V, K / 32], coef [V]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+  const bool bf16_head = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((weight.scalar_type() == torch::kFloat32 || bf16_head) &&
+                  x.scalar_type() == weight.scalar_type() &&
                   q.scalar_type() == torch::kInt8 && scales.scalar_type() == torch::kFloat32 &&
                   coef.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                   weight.is_contiguous() && q.is_contiguous() && scales.is_contiguous() &&
                   coef.is_contiguous(),
-              "greedy_argmax_screened_q8: contiguous float32 x, weight, scales, coef; int8 q");
+              "greedy_argmax_screened_q8: contiguous x and weight of one dtype (float32 or "
+              "bf16), float32 scales and coef, int8 q");
   const int64_t B = x.size(0), K = x.size(1), V = weight.size(0), G = K / kGroup;
-  auto approx = torch::empty({B, V}, x.options());
+  const torch::Tensor xf = bf16_head ? x.to(torch::kFloat32) : x;  // exact
+  auto approx = torch::empty({B, V}, xf.options());
 #if defined(TPLLM_SIMD16)
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
   float* ap = approx.data_ptr<float>();
   // as small_m::gemm's row-by-row path: each int8 row read once, in memory order, per thread
   // chunk of >= ~64 KB; up to 4 inputs per pass over the row (more read it again from L1)
@@ -247,5 +284,27 @@ std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Ten
     }
   });
 #endif
-  return pick_exact(x, weight, approx, coef, 1.0);
+  if (!bf16_head)
+    return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, 1.0, false,
+                      float_rows(xf.data_ptr<float>(), weight.data_ptr<float>(), K));
+  TORCH_CHECK(B <= 2, "greedy_argmax_screened_q8: a bf16 head takes at most 2 rows");
+  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+#if defined(__AVX512BF16__)
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto exact = [=](int64_t b, int64_t n) {  // small_m_linear_bf16's tile, x in bf16
+    float y;
+    small_m::rows_by_inputs<Bf16Tile, 1>(wb + n * K, xb + b * K, 1, K, &y, 1);
+    return y;
+  };
+#elif defined(TPLLM_SIMD16)
+  const float* xw = xf.data_ptr<float>();
+  auto exact = [=](int64_t b, int64_t n) {  // small_m_linear_bf16's tile, x widened
+    float y;
+    small_m::rows_by_inputs<small_m::FmaTile, 1>(wb + n * K, xw + b * K, 1, K, &y, 1);
+    return y;
+  };
+#else  // unreachable: no bf16 GEMV here (checked above)
+  auto exact = [=](int64_t, int64_t) { return wb == nullptr ? 0.f : 0.f; };
+#endif
+  return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, 1.0, true, exact);
 }
