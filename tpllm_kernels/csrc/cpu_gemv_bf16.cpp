@@ -113,14 +113,18 @@ namespace {
 // The next bfloat16 value below v's bf16 rounding (towards -inf): no float32 value under it
 // rounds to bf16(v) or above.
 float bf16_step_below(float v) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const float r = static_cast<float>(c10::BFloat16(v));
-  if (!std::isfinite(r)) return r < 0 ? r : std::numeric_limits<float>::max();
+  if (std::isnan(r) || r == -kInf) return -kInf;  // no bound below: every index
   uint32_t bits;
-  std::memcpy(&bits, &r, sizeof(bits));
-  // one bf16 ulp toward -inf: magnitude up for negatives, down for positives (0 -> -denormal)
-  if (r == 0.f) bits = 0x80010000u;
-  else if (bits >> 31) bits += 0x10000u;
-  else bits -= 0x10000u;
+  if (r == kInf) {
+    bits = 0x7F7F0000u;  // the largest finite bf16: every sum that rounds to inf is above it
+  } else {
+    std::memcpy(&bits, &r, sizeof(bits));
+    if (r == 0.f) bits = 0x80010000u;       // below +-0: the smallest negative bf16
+    else if (bits >> 31) bits += 0x10000u;  // negative: one ulp more magnitude
+    else bits -= 0x10000u;                  // positive: one ulp less
+  }
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
