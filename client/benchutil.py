@@ -127,12 +127,12 @@ def gemm_library() -> str:
 
 
 def greedy_head_info(dtype: str) -> str:
-    """How a greedy step reads the lm_head with the engine's default greedy_screening: its bf16
-    copy, then the few float32 rows that can win (exact tokens; backend/model/greedy_head.py),
-    or the whole float32 head. The floors count the whole head."""
+    """How a greedy step reads the lm_head with the engine's default greedy_screening: its int8
+    copy, then the few rows that can win (exact tokens; backend/model/greedy_head.py; bf16:
+    steps of 1-2 rows), or the whole head. The floors count the whole head."""
     from tpllm_kernels import cpu_ops
-    if dtype == "float32" and cpu_ops.GREEDY_SCREEN:
-        return "screened"
+    if dtype in ("float32", "bfloat16") and cpu_ops.GREEDY_SCREEN:
+        return "screened" if dtype == "float32" else "screened (1-2 rows)"
     return "full"
 
 
