@@ -154,20 +154,17 @@ def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
-    """With the C++ CPU kernels, decode steps run all layers in one call (one rank), or each
-    layer as two calls (tpllm_kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,
-    to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
-    model = llm.engine.runner.model
-    if not model.fused_decode:
-        no_cpu_kernels()
+def _fused_and_modular_agree(llm, prompts: list[str], monkeypatch) -> list[str]:
+    """Runs `prompts` (then the first alone) through the fused stack, the fused halves and the
+    modular path; asserts each used what it should and all three gave the same tokens and
+    log-probabilities, to the bit. Returns the list the fused calls are recorded in."""
     from tpllm_kernels import cpu_ops
-    calls = []
+    model = llm.engine.runner.model
+    calls: list[str] = []
     for name in ("decode_stack", "decode_attention_half"):
         fn = getattr(cpu_ops, name)
         monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
-    prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]
 
     def run(stack: bool, fused: bool):
         model.fused_stack, model.fused_decode = stack, fused
@@ -186,6 +183,18 @@ def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     modular, used = run(False, False)
     assert not used
     assert stack == halves == modular
+    calls.clear()
+    return calls
+
+
+def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
+    """With the C++ CPU kernels, decode steps run all layers in one call (one rank), or each
+    layer as two calls (tpllm_kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,
+    to the bit, as the layer-by-layer path (this model is a Qwen2: qkv bias; batch 3 and 1)."""
+    if not llm.engine.runner.model.fused_decode:
+        no_cpu_kernels()
+    _fused_and_modular_agree(llm, ["The quick brown fox", "Once upon a time there", "1 2 3"],
+                             monkeypatch)
 
 
 def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch):
@@ -195,38 +204,14 @@ def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch
     from tpllm_kernels import cpu_ops
     if not cpu_ops.AVAILABLE or not cpu_ops.FUSED_DECODE_BF16_ROWS:
         no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
-    llm = LLM(model=str(tiny_text_model), dtype="bfloat16", num_kv_blocks=256, block_size=8)
-    model = llm.engine.runner.model
-    calls = []
-    for name in ("decode_stack", "decode_attention_half"):
-        fn = getattr(cpu_ops, name)
-        monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
-    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
     prompts = ["The quick brown fox", "Once upon a time there"]
     assert len(prompts) == cpu_ops.FUSED_DECODE_BF16_ROWS
-
-    def run(stack: bool, fused: bool, batch=prompts):
-        model.fused_stack, model.fused_decode = stack, fused
-        calls.clear()
-        try:
-            out = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(batch, sp)
-                   + llm.generate(batch[:1], sp)]
-        finally:
-            model.fused_stack = model.fused_decode = True
-        return out, set(calls)
-
-    stack, used = run(True, True)
-    assert used == {"decode_stack"}
-    halves, used = run(False, True)
-    assert used == {"decode_attention_half"}
-    modular, used = run(False, False)
-    assert not used
-    assert stack == halves == modular
-    three = prompts + ["1 2 3"]  # 3 rows: oneDNN's GEMM in the modular path, so not fused
-    calls.clear()
-    llm.generate(three, SamplingParams(max_tokens=2, ignore_eos=True))
-    assert not calls
-    llm.close()
+    with LLM(model=str(tiny_text_model), dtype="bfloat16", num_kv_blocks=256,
+             block_size=8) as llm:
+        calls = _fused_and_modular_agree(llm, prompts, monkeypatch)
+        # 3 rows: oneDNN's GEMM in the modular path, so not fused
+        llm.generate(prompts + ["1 2 3"], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert not calls
 
 
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
