@@ -17,7 +17,7 @@ CAPS: dict[str, dict[str, str]] = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2", "TPLLM_CPU_ISA": "avx2"},
 }
-_NAMES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "TPLLM_CPU_ISA")
+_NAMES = tuple(dict.fromkeys(name for caps in CAPS.values() for name in caps))
 
 
 def apply(level: str | None) -> None:

@@ -99,8 +99,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # AVX-512) FMAs on rows widened as loaded (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer
     # GEMVs, 2 threads, AVX512-BF16: 12.6 vs oneDNN's 21.5 ms at one row, 16.3 vs 21.0 at two;
     # from three rows oneDNN is as fast or faster.
-    if (_BF16_GEMV and x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()):
+    if _BF16_GEMV and _small_m_bf16(x, weight):
         return _ext.small_m_linear_bf16(x, weight, bias)
     if (packed := _packed_copy(x, weight)) is not None:
         if packed[0] == "mkl":
@@ -119,14 +118,14 @@ def greedy_screen_supported(weight: torch.Tensor) -> bool:
 
 
 def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
-                           coef: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...] | None:
+                           coef: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """Each row's argmax of x @ weight^T and that logit, exactly as linear + argmax give them,
     mostly from `low` (weight's bf16 copy; csrc/cpu_gemv_bf16.cpp), each approximate logit n
-    within scale * |x| * coef[n] of the exact one: (tokens [B], logits [B], candidates [B];
-    tokens -1 for a row that is not finite). None where it does not apply."""
+    within |x| * coef[n] of the exact one: (tokens [B], logits [B], candidates [B]; tokens -1
+    for a row that is not finite). None where it does not apply."""
     if not (_BF16_GEMV and _small_m_f32(x, weight)):
         return None
-    return tuple(_ext.greedy_argmax_screened(x, weight, low, coef, scale))
+    return tuple(_ext.greedy_argmax_screened(x, weight, low, coef))
 
 
 def greedy_argmax_screened_q8(x: torch.Tensor, weight: torch.Tensor, q: torch.Tensor,
@@ -136,10 +135,7 @@ def greedy_argmax_screened_q8(x: torch.Tensor, weight: torch.Tensor, q: torch.Te
     (q, their float32 scales; backend/model/greedy_head.py's q8_copy), a logit within
     |x| * coef[n]. A bf16 head (x bf16, the rows small_m_linear_bf16 takes) gets linear's bf16
     logits: the first of the largest rounded values. None where it does not apply."""
-    bf16_rows = (x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
-                 and weight.dtype == torch.bfloat16 and x.is_contiguous()
-                 and weight.is_contiguous())
-    if not (_BF16_GEMV and (_small_m_f32(x, weight) or bf16_rows)):
+    if not (_BF16_GEMV and (_small_m_f32(x, weight) or _small_m_bf16(x, weight))):
         return None
     return tuple(_ext.greedy_argmax_screened_q8(x, weight, q, scales, coef))
 
@@ -153,6 +149,12 @@ def _plain_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _small_m_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the C++ float32 GEMV takes x @ weight^T (linear and linear_into)."""
     return _plain_f32(x, weight) and x.shape[0] <= SMALL_M
+
+
+def _small_m_bf16(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M, K] and weight bf16 and contiguous, M within what the bf16 GEMV takes."""
+    return (x.dim() == 2 and x.shape[0] <= BF16_SMALL_M and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous())
 
 
 def _onednn_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -101,8 +101,9 @@ class GreedyScreen:
     def build(cls, weight: torch.Tensor, ops: ModuleType, kind: str | None = None
               ) -> "GreedyScreen | None":
         """The screen of this head: `kind`, or q8 where the hidden size takes it, else bf16.
-        None where the kernels cannot screen this head (not float32, no GEMV for the copy) or
-        the bound cannot hold (a weight that is not finite)."""
+        None where the kernels cannot screen this head (neither float32 nor bf16, no GEMV for
+        the copy, a bf16 copy of a bf16 head) or the bound cannot hold (a weight that is not
+        finite)."""
         supported = getattr(ops, "greedy_screen_supported", lambda w: False)
         if weight.dtype not in (torch.float32, torch.bfloat16) or not supported(weight):
             return None
@@ -124,7 +125,7 @@ class GreedyScreen:
             coef = torch.cat([(w.double().norm(dim=1) * eps).float()
                               for w in weight.split(_SLICE_ROWS)])
             coef = torch.nextafter(coef, torch.tensor(float("inf")))  # rounded up
-            return cls(kind, (low, coef, 1.0), screened)
+            return cls(kind, (low, coef), screened)
 
     def screen(self, x: torch.Tensor, weight: torch.Tensor):
         """The kernel's (tokens, logits, candidates), or None where it does not take x."""

@@ -141,7 +141,7 @@ class ParallelLMHead(DirectModule):
     def enable_greedy_screening(self) -> bool:
         """Keep what argmax_logits needs (an int8 copy of the weight in groups of 32, 0.28x its
         bytes again; bf16 where the hidden size is not a multiple of 32, 0.5x), if the kernels
-        can (float32). Returns whether it is on."""
+        can (a float32 head, or a bf16 one with the int8 copy). Returns whether it is on."""
         self.screen = GreedyScreen.build(self.weight, self.ops)
         return self.screen is not None
 

@@ -130,8 +130,8 @@ float bf16_step_below(float v) {
   return out;
 }
 
-// Steps 2-3 of the screens below: approx [B, V] is within |x_b| * scale * coef[n] (+ a denormal
-// margin) of each exact logit; every index whose bound reaches the best lower bound gets its
+// Steps 2-3 of the screens below: approx [B, V] is within |x_b| * coef[n] (+ a denormal margin)
+// of each exact logit; every index whose bound reaches the best lower bound gets its
 // exact logit from exact(b, n) (the head's own GEMV tile: each output's sum does not depend on
 // which rows are computed). With round_bf16 the exact logits are the float32 sums rounded to
 // bf16, as a bf16 head's linear returns them: every index whose sum can round to the best
@@ -141,7 +141,7 @@ float bf16_step_below(float v) {
 template <class Exact>
 std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int64_t V,
                                       const torch::Tensor& approx, const torch::Tensor& coef,
-                                      double scale, bool round_bf16, Exact exact) {
+                                      bool round_bf16, Exact exact) {
   const float* ap = approx.data_ptr<float>();
   const float* rn = coef.data_ptr<float>();
   auto tokens = torch::full({B}, -1, torch::kInt64);
@@ -157,7 +157,7 @@ std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int
     if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
     // flushed bf16 denormals (vdpbf16ps) err by < K * 2^-126 * max |factor|: far below this
     constexpr double kDenormalMargin = 1e-20;
-    const double s = scale * std::sqrt(sq);
+    const double s = std::sqrt(sq);
     const float* a = ap + b * V;
     double lo = -HUGE_VAL;
     for (int64_t n = 0; n < V; ++n) lo = std::max(lo, a[n] - s * rn[n] - kDenormalMargin);
@@ -192,9 +192,9 @@ auto float_rows(const float* xp, const float* wp, int64_t K) {
 // and argmax picks (the first index among equal maxima), read mostly from `low`, weight's bf16
 // copy (half the bytes: a tenth of SmolLM2's decode step).
 //   1. approx = x @ low^T in float32 (the bf16 GEMV above, x rounded to bf16 for AVX512-BF16).
-//   2. Each approx[n] is within bound[n] = eps * |x| * row_norms[n] (+ a denormal margin) of the
-//      exact logit (Cauchy-Schwarz over the roundings: eps covers x's and the weight's bf16
-//      roundings and both float32 sums; the caller derives it). So no index can beat
+//   2. Each approx[n] is within bound[n] = |x| * coef[n] (+ a denormal margin) of the exact
+//      logit (Cauchy-Schwarz over the roundings: the caller's coef = eps |w_n|, eps covering x's
+//      and the weight's bf16 roundings and both float32 sums). So no index can beat
 //      lo = max_n(approx[n] - bound[n]), and only those with approx[n] + bound[n] >= lo can be
 //      the exact maximum (every index of a tie included).
 //   3. Those (SmolLM2: 1-9 of 49,152) get their exact logit from the float32 row, with the
@@ -202,18 +202,16 @@ auto float_rows(const float* xp, const float* wp, int64_t K) {
 // Returns {tokens int64 [B], logits float32 [B], candidates int64 [B]}; tokens -1 where x's row
 // is not finite (the caller computes that row in full: the bound assumes finite values).
 std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
-                                                  torch::Tensor low, torch::Tensor row_norms,
-                                                  double eps) {
+                                                  torch::Tensor low, torch::Tensor coef) {
   TORCH_CHECK(bf16_gemv_supported(), "greedy_argmax_screened: needs AVX2 or AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && low.sizes() == weight.sizes() &&
-                  x.size(1) == weight.size(1) && row_norms.dim() == 1 &&
-                  row_norms.size(0) == weight.size(0),
-              "greedy_argmax_screened: x [B, K], weight and low [V, K], row_norms [V]");
+                  x.size(1) == weight.size(1) && coef.dim() == 1 && coef.size(0) == weight.size(0),
+              "greedy_argmax_screened: x [B, K], weight and low [V, K], coef [V]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
                   low.scalar_type() == torch::kBFloat16 &&
-                  row_norms.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
-                  weight.is_contiguous() && low.is_contiguous() && row_norms.is_contiguous(),
-              "greedy_argmax_screened: contiguous x, weight, row_norms float32 and low bf16");
+                  coef.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  weight.is_contiguous() && low.is_contiguous() && coef.is_contiguous(),
+              "greedy_argmax_screened: contiguous x, weight, coef float32 and low bf16");
   const int64_t B = x.size(0), K = x.size(1), V = weight.size(0);
   auto approx = torch::empty({B, V}, x.options());
   const auto* lp = reinterpret_cast<const uint16_t*>(low.data_ptr());
@@ -224,7 +222,7 @@ std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor
 #elif defined(TPLLM_SIMD16)
   small_m::gemm<small_m::FmaTile>(lp, x.data_ptr<float>(), B, K, V, ap);
 #endif
-  return pick_exact(x.data_ptr<float>(), B, K, V, approx, row_norms, eps, false,
+  return pick_exact(x.data_ptr<float>(), B, K, V, approx, coef, false,
                     float_rows(x.data_ptr<float>(), weight.data_ptr<float>(), K));
 }
 
@@ -289,26 +287,26 @@ std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Ten
   });
 #endif
   if (!bf16_head)
-    return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, 1.0, false,
+    return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, false,
                       float_rows(xf.data_ptr<float>(), weight.data_ptr<float>(), K));
   TORCH_CHECK(B <= 2, "greedy_argmax_screened_q8: a bf16 head takes at most 2 rows");
-  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  // a row's logit as small_m_linear_bf16's tile sums it: x in bf16 for AVX512-BF16, else widened
 #if defined(__AVX512BF16__)
-  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto exact = [=](int64_t b, int64_t n) {  // small_m_linear_bf16's tile, x in bf16
-    float y;
-    small_m::rows_by_inputs<Bf16Tile, 1>(wb + n * K, xb + b * K, 1, K, &y, 1);
-    return y;
-  };
+  using Tile = Bf16Tile;
+  const auto* xt = reinterpret_cast<const uint16_t*>(x.data_ptr());
 #elif defined(TPLLM_SIMD16)
-  const float* xw = xf.data_ptr<float>();
-  auto exact = [=](int64_t b, int64_t n) {  // small_m_linear_bf16's tile, x widened
+  using Tile = small_m::FmaTile;
+  const float* xt = xf.data_ptr<float>();
+#endif
+#if defined(TPLLM_SIMD16)
+  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto exact = [=](int64_t b, int64_t n) {
     float y;
-    small_m::rows_by_inputs<small_m::FmaTile, 1>(wb + n * K, xw + b * K, 1, K, &y, 1);
+    small_m::rows_by_inputs<Tile, 1>(wb + n * K, xt + b * K, 1, K, &y, 1);
     return y;
   };
-#else  // unreachable: no bf16 GEMV here (checked above)
-  auto exact = [=](int64_t, int64_t) { return wb == nullptr ? 0.f : 0.f; };
+  return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, true, exact);
+#else
+  return {};  // unreachable: no bf16 GEMV in this build (checked above)
 #endif
-  return pick_exact(xf.data_ptr<float>(), B, K, V, approx, coef, 1.0, true, exact);
 }

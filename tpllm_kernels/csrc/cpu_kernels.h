@@ -33,8 +33,7 @@ void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weigh
                               const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
 // every row's argmax of x @ weight^T and its logit, mostly from weight's bf16 copy (cpu_gemv_bf16.cpp)
 std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
-                                                  torch::Tensor low, torch::Tensor row_norms,
-                                                  double eps);
+                                                  torch::Tensor low, torch::Tensor coef);
 std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
                                                      torch::Tensor q, torch::Tensor scales,
                                                      torch::Tensor coef);
