@@ -136,6 +136,17 @@ def greedy_head_info(dtype: str) -> str:
     return "full"
 
 
+def decode_weights_info(dtype: str) -> str:
+    """Where a decode step reads the layers' weights from: their exact 4-bit copies where the
+    float32 weights are Q4_1 blocks (the default model's layers; tpllm_kernels/cpu_q4.py: the
+    same results, ~0.19x the bytes), or the weights as stored. The floors count the weights in
+    the model's dtype, so a step may take less than its floor."""
+    from tpllm_kernels import cpu_ops
+    if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops.keep_q4_copy is not None:
+        return "4-bit copies of Q4_1 layers"
+    return "as stored"
+
+
 def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
     import torch
     return {"torch": torch.__version__, "threads": threads, "torch_threads": torch.get_num_threads(),
@@ -143,7 +154,8 @@ def run_info(threads: int | str, dtype: str, model_dir: str) -> dict[str, Any]:
             "threading": threading_info(), "dtype": dtype,
             "model_dir": model_dir, "cpu": cpu_model(), "cpu_isa_flags": cpu_isa_flags(),
             "kernel_isa": kernel_isa(), "isa_caps": isa_caps.in_effect(), "gemm": gemm_library(),
-            "greedy_head": greedy_head_info(dtype), "cpu_count": os.cpu_count(),
+            "greedy_head": greedy_head_info(dtype), "decode_weights": decode_weights_info(dtype),
+            "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "loadavg_at_start": os.getloadavg()[0]}  # flags a machine busy with other work
 
@@ -153,7 +165,8 @@ def header_line(info: dict[str, Any]) -> str:
             f"{info['omp_wait_policy']} | kernels {info.get('kernel_isa', '?')} "
             f"({isa_caps.describe(info.get('isa_caps', {}))}), GEMM "
             f"{info.get('gemm', '?')}, threading "
-            f"{info.get('threading', '?')}, greedy head {info.get('greedy_head', '?')} | "
+            f"{info.get('threading', '?')}, greedy head {info.get('greedy_head', '?')}, decode "
+            f"weights {info.get('decode_weights', '?')} | "
             f"{info['dtype']} | "
             f"{info['model_dir']} | {info['cpu']} ({info['cpu_count']} cpus; "
             f"{' '.join(info.get('cpu_isa_flags', [])) or 'no AVX2'}) | {info['date']} | "

@@ -154,10 +154,11 @@ def test_async_bad_request_fails_alone_and_shutdown_finishes_streams(llm):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def _fused_and_modular_agree(llm, prompts: list[str], monkeypatch) -> list[str]:
+def _fused_and_modular_agree(llm, prompts: list[str], monkeypatch) -> tuple[list[str], list]:
     """Runs `prompts` (then the first alone) through the fused stack, the fused halves and the
     modular path; asserts each used what it should and all three gave the same tokens and
-    log-probabilities, to the bit. Returns the list the fused calls are recorded in."""
+    log-probabilities, to the bit. Returns the list the fused calls are recorded in and the
+    (tokens, cumulative log-probability) of each output."""
     from tpllm_kernels import cpu_ops
     model = llm.engine.runner.model
     calls: list[str] = []
@@ -184,7 +185,7 @@ def _fused_and_modular_agree(llm, prompts: list[str], monkeypatch) -> list[str]:
     assert not used
     assert stack == halves == modular
     calls.clear()
-    return calls
+    return calls, stack
 
 
 def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
@@ -208,10 +209,40 @@ def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch
     assert len(prompts) == cpu_ops.FUSED_DECODE_BF16_ROWS
     with LLM(model=str(tiny_text_model), dtype="bfloat16", num_kv_blocks=256,
              block_size=8) as llm:
-        calls = _fused_and_modular_agree(llm, prompts, monkeypatch)
+        calls, _ = _fused_and_modular_agree(llm, prompts, monkeypatch)
         # 3 rows: oneDNN's GEMM in the modular path, so not fused
         llm.generate(prompts + ["1 2 3"], SamplingParams(max_tokens=2, ignore_eos=True))
         assert not calls
+
+
+def test_decode_reads_exact_4bit_copies_of_q4_1_layers(tmp_path, default_model_dir, monkeypatch):
+    """Layers whose float32 weights are Q4_1 blocks (as the default model's) decode from their
+    4-bit copies (tpllm_kernels/cpu_q4.py) in the fused stack, the fused halves and the modular
+    path: the same tokens and log-probabilities, to the bit, as without the copies; and the
+    copies are what those steps read (spoiled, the fused stack's tokens change)."""
+    from tests.tiny_models import make_tiny_checkpoint, requantize_layers_q4_1
+    from tpllm_kernels import cpu_ops
+    if not cpu_ops.AVAILABLE or cpu_ops.keep_q4_copy is None:
+        no_cpu_kernels("no 4-bit GEMV without the C++ kernels")
+    model = requantize_layers_q4_1(make_tiny_checkpoint(
+        "qwen2", tmp_path, tokenizer_dir=default_model_dir))  # hidden 96, MLP 160: 32-blocks
+    prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]
+    kw = dict(model=str(model), num_kv_blocks=256, block_size=8)
+    with LLM(**kw) as llm:
+        assert llm.engine.runner.q4_weight_bytes > 0
+        _, with_copies = _fused_and_modular_agree(llm, prompts, monkeypatch)
+        copies = [w.q4[1] for w in llm.engine.runner.model.parameters() if hasattr(w, "q4")]
+        assert len(copies) == 2 * 4  # qkv, o, gate_up, down of both layers
+        for dm in copies:
+            dm.mul_(0.5)
+        sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
+        spoiled = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompts[:1], sp)]
+        assert spoiled != with_copies[-1:]
+    monkeypatch.setattr(cpu_ops, "keep_q4_copy", None)
+    with LLM(**kw) as llm:
+        assert llm.engine.runner.q4_weight_bytes == 0
+        _, without = _fused_and_modular_agree(llm, prompts, monkeypatch)
+    assert with_copies == without
 
 
 @pytest.mark.parametrize("library", ["mkl", "onednn"])

@@ -59,3 +59,28 @@ def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def q4_1_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """w as a GGUF Q4_1 file holds it: quantized, then dequantized to float32 as gguf does (the
+    default model's layers are such weights)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    a = w.detach().float().contiguous().numpy()
+    q = quantize(a, GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(dequantize(q, GGMLQuantizationType.Q4_1).reshape(a.shape).copy())
+
+
+def requantize_layers_q4_1(model_dir: Path) -> Path:
+    """Rewrites a checkpoint's decoder-layer linear weights as Q4_1 round trips (q4_1_round_trip),
+    as the default model's are."""
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(model_dir).glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if ".layers." in name and name.endswith("proj.weight"):
+                tensors[name] = q4_1_round_trip(t)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return Path(model_dir)

@@ -16,14 +16,24 @@
 
 namespace {
 
+// A linear's weight as the decode step reads it: the float32 / bf16 tensor, or (float32 only)
+// its exact 4-bit copy where there is one (cpu_gemv_q4.cpp; same bits, a sixth of the bytes)
+struct Weight {
+  torch::Tensor w;
+  c10::optional<torch::Tensor> q4, q4_dm;
+  int64_t rows() const { return w.size(0); }
+};
+
 // x @ weight^T (+ bias) into y: float32, or bfloat16 (a few rows; sums in float32, y rounded
 // once), as cpu_ops.linear computes them for the modular path
-void linear_into(const torch::Tensor& x, const torch::Tensor& weight,
+void linear_into(const torch::Tensor& x, const Weight& weight,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
-  if (weight.scalar_type() == torch::kBFloat16)
-    small_m_linear_bf16_into(x, weight, bias, y);
+  if (weight.q4.has_value() && x.scalar_type() == torch::kFloat32)
+    small_m_linear_q4_into(x, *weight.q4, *weight.q4_dm, bias, y);
+  else if (weight.w.scalar_type() == torch::kBFloat16)
+    small_m_linear_bf16_into(x, weight.w, bias, y);
   else
-    small_m_linear_into(x, weight, bias, y);
+    small_m_linear_into(x, weight.w, bias, y);
 }
 
 // A decode step's intermediates for B rows, allocated once per call of a whole stack instead of
@@ -54,14 +64,15 @@ struct Workspace {
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
 // per-step tensors (pybind's conversion of ~18 arguments per call was itself ~10 us).
 struct DecodeLayer {
-  torch::Tensor norm1, qkv_w, o_w, norm2, gate_up_w, down_w, k_cache, v_cache, kv_index;
+  torch::Tensor norm1, norm2, k_cache, v_cache, kv_index;
+  Weight qkv_w, o_w, gate_up_w, down_w;
   c10::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
   double eps1, eps2, scale;
   int64_t Hq, Hkv;
 
   Workspace workspace(const torch::Tensor& x, bool attention = true, bool mlp = true) const {
-    return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.size(0), o_w.size(0), gate_up_w.size(0),
-                     down_w.size(0), attention, mlp);
+    return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.rows(), o_w.rows(), gate_up_w.rows(),
+                     down_w.rows(), attention, mlp);
   }
 };
 
@@ -178,9 +189,17 @@ void bind_decode_layer(pybind11::module& m) {
                        torch::Tensor kv_index, torch::Tensor o_w, c10::optional<torch::Tensor> o_b,
                        torch::Tensor norm2, double eps2, torch::Tensor gate_up_w,
                        c10::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
-                       c10::optional<torch::Tensor> down_b) {
-        return DecodeLayer{norm1, qkv_w, o_w, norm2, gate_up_w, down_w, k_cache, v_cache,
-                           kv_index, qkv_b, o_b, gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
+                       c10::optional<torch::Tensor> down_b,
+                       std::vector<c10::optional<torch::Tensor>> q4) {
+        // q4: the 4-bit copies (q, dm) of qkv, o, gate_up and down, each pair or None
+        TORCH_CHECK(q4.empty() || q4.size() == 8, "DecodeLayer: q4 is 8 tensors (or none)");
+        q4.resize(8);
+        auto weight = [&](torch::Tensor w, int i) {
+          return Weight{w, q4[2 * i], q4[2 * i + 1]};
+        };
+        return DecodeLayer{norm1, norm2, k_cache, v_cache, kv_index, weight(qkv_w, 0),
+                           weight(o_w, 1), weight(gate_up_w, 2), weight(down_w, 3), qkv_b, o_b,
+                           gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
       }));
   // Without the GIL: a decode step is ~20-25 ms in here, and the serving process has other
   // Python threads (the Triton adapter's response thread) that need not wait for it.

@@ -60,6 +60,12 @@ inline F16 load(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
 }
+// 16 bytes of 4-bit pairs (a Q4_1 block's 32 codes): low nibbles -> lo, high -> hi, as floats
+inline void load_nibbles(const uint8_t* p, F16& lo, F16& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
 inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
 inline F16 set1(float x) { return {_mm512_set1_ps(x)}; }
 inline F16 operator+(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -138,6 +144,13 @@ inline F16 load(const uint16_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+}
+inline void load_nibbles(const uint8_t* p, F16& lo, F16& hi) {
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i f = _mm256_set1_epi32(15);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b, f))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
 }
 inline void store(float* p, F16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
 inline F16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
