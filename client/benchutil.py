@@ -138,12 +138,12 @@ def greedy_head_info(dtype: str) -> str:
 
 def decode_weights_info(dtype: str) -> str:
     """Where a decode step reads the layers' weights from: their exact 4-bit copies where the
-    float32 weights are Q4_1 blocks (the default model's layers; tpllm_kernels/cpu_q4.py: the
+    float32 weights are Q4_1 blocks (the default model's layers; tpllm_kernels/cpu_blocks.py: the
     same results, ~0.19x the bytes), or the weights as stored. The floors count the weights in
     the model's dtype, so a step may take less than its floor."""
     from tpllm_kernels import cpu_ops
-    if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops.keep_q4_copy is not None:
-        return "4-bit copies of Q4_1 layers"
+    if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops.keep_block_copy is not None:
+        return "exact block copies (Q4_1 layers, Q8_0 head)"
     return "as stored"
 
 

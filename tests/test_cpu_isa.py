@@ -34,15 +34,17 @@ def _kernel_outputs() -> dict[str, torch.Tensor]:
     for m in (1, 3, 5):
         out[f"linear{m}"] = got = cpu_ops.linear(x[:m].contiguous(), w)
         torch.testing.assert_close(got, ref.linear(x[:m], w), rtol=1e-5, atol=1e-4)
-    # the 4-bit copy of a Q4_1 weight (cpu_q4.py): the float32 GEMV's bits; 2 tail rows
-    from tests.tiny_models import q4_1_round_trip
-    w4 = q4_1_round_trip(torch.randn(38, 224, generator=g))
-    x4 = torch.randn(5, 224, generator=g)
-    plain = {m: cpu_ops.linear(x4[:m].contiguous(), w4) for m in (1, 3, 5)}
-    assert cpu_ops.keep_q4_copy(w4) > 0
-    for m in (1, 3, 5):
-        out[f"linear_q4_{m}"] = got = cpu_ops.linear(x4[:m].contiguous(), w4)
-        assert torch.equal(got.view(torch.int32), plain[m].view(torch.int32))
+    # exact block copies of Q4_1 and Q8_0 weights (cpu_blocks.py): the float32 GEMV's bits;
+    # 2 rows past the last 4-row tile
+    from tests.tiny_models import gguf_round_trip
+    xb = torch.randn(5, 224, generator=g)
+    for kind in ("Q4_1", "Q8_0"):
+        wb = gguf_round_trip(torch.randn(38, 224, generator=g), kind)
+        plain = {m: cpu_ops.linear(xb[:m].contiguous(), wb) for m in (1, 3, 5)}
+        assert cpu_ops.keep_block_copy(wb) > 0 and wb.block_copy[0] == kind[:2].lower()
+        for m in (1, 3, 5):
+            out[f"linear_{kind}_{m}"] = got = cpu_ops.linear(xb[:m].contiguous(), wb)
+            assert torch.equal(got.view(torch.int32), plain[m].view(torch.int32))
     out["linear_bf16"] = got = cpu_ops.linear(x[:1].bfloat16(), w.bfloat16())
     torch.testing.assert_close(got.float(), ref.linear(x[:1].bfloat16(), w.bfloat16()).float(),
                                rtol=2e-2, atol=2e-2)

@@ -215,32 +215,35 @@ def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch
         assert not calls
 
 
-def test_decode_reads_exact_4bit_copies_of_q4_1_layers(tmp_path, default_model_dir, monkeypatch):
-    """Layers whose float32 weights are Q4_1 blocks (as the default model's) decode from their
-    4-bit copies (tpllm_kernels/cpu_q4.py) in the fused stack, the fused halves and the modular
-    path: the same tokens and log-probabilities, to the bit, as without the copies; and the
-    copies are what those steps read (spoiled, the fused stack's tokens change)."""
-    from tests.tiny_models import make_tiny_checkpoint, requantize_layers_q4_1
+def test_decode_reads_exact_block_copies(tmp_path, default_model_dir, monkeypatch):
+    """Layers whose float32 weights are Q4_1 blocks and an lm_head of Q8_0 blocks (as the
+    default model's) decode from their exact copies (tpllm_kernels/cpu_blocks.py) in the fused
+    stack, the fused halves and the modular path: the same tokens and log-probabilities, to
+    the bit, as without the copies; and the copies are what those steps read (spoiled, the
+    tokens change)."""
+    from tests.tiny_models import make_tiny_checkpoint, requantize
     from tpllm_kernels import cpu_ops
-    if not cpu_ops.AVAILABLE or cpu_ops.keep_q4_copy is None:
+    if not cpu_ops.AVAILABLE or cpu_ops.keep_block_copy is None:
         no_cpu_kernels("no 4-bit GEMV without the C++ kernels")
-    model = requantize_layers_q4_1(make_tiny_checkpoint(
-        "qwen2", tmp_path, tokenizer_dir=default_model_dir))  # hidden 96, MLP 160: 32-blocks
+    model = requantize(make_tiny_checkpoint(  # hidden 96, MLP 160: whole blocks of 32
+        "qwen2", tmp_path, tokenizer_dir=default_model_dir))
     prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]
     kw = dict(model=str(model), num_kv_blocks=256, block_size=8)
     with LLM(**kw) as llm:
-        assert llm.engine.runner.q4_weight_bytes > 0
+        assert llm.engine.runner.block_copy_bytes > 0
         _, with_copies = _fused_and_modular_agree(llm, prompts, monkeypatch)
-        copies = [w.q4[1] for w in llm.engine.runner.model.parameters() if hasattr(w, "q4")]
-        assert len(copies) == 2 * 4  # qkv, o, gate_up, down of both layers
-        for dm in copies:
-            dm.mul_(0.5)
+        params = llm.engine.runner.model.parameters()
+        kinds = sorted(p.block_copy[0] for p in params if hasattr(p, "block_copy"))
+        assert kinds == ["q4"] * 8 + ["q8"]  # qkv, o, gate_up, down of both layers; lm_head
+        for p in llm.engine.runner.model.parameters():
+            if hasattr(p, "block_copy"):
+                p.block_copy[2].mul_(0.5)  # every scale (and a Q4 block's m) halved
         sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=True)
         spoiled = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompts[:1], sp)]
         assert spoiled != with_copies[-1:]
-    monkeypatch.setattr(cpu_ops, "keep_q4_copy", None)
+    monkeypatch.setattr(cpu_ops, "keep_block_copy", None)
     with LLM(**kw) as llm:
-        assert llm.engine.runner.q4_weight_bytes == 0
+        assert llm.engine.runner.block_copy_bytes == 0
         _, without = _fused_and_modular_agree(llm, prompts, monkeypatch)
     assert with_copies == without
 

@@ -77,10 +77,10 @@ def test_smollm_tp_matches_tp1(tp, default_model_dir, tp1_reference):
         sp = SamplingParams(temperature=0, max_tokens=24)
         outs = llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:1], [sp] * len(SMOL_PROMPTS) + [GUIDED])
         assert [o.token_ids for o in outs] == tokens  # the constrained last one too
-        # rank 0's layer shards decode from 4-bit copies (cpu_q4.py; the other ranks load
+        # rank 0's layer shards decode from 4-bit copies (cpu_blocks.py; the other ranks load
         # theirs the same way), as TP1's whole layers did
         from tpllm_kernels import cpu_ops
-        assert llm.engine.runner.q4_weight_bytes > 0 or cpu_ops.keep_q4_copy is None
+        assert llm.engine.runner.block_copy_bytes > 0 or cpu_ops.keep_block_copy is None
         # greedy-only steps screened each rank's vocabulary slice (greedy_head.py)
         screen = llm.engine.runner.model.lm_head.screen
         if screen is None:

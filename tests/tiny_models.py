@@ -61,26 +61,28 @@ def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def q4_1_round_trip(w: torch.Tensor) -> torch.Tensor:
-    """w as a GGUF Q4_1 file holds it: quantized, then dequantized to float32 as gguf does (the
-    default model's layers are such weights)."""
+def gguf_round_trip(w: torch.Tensor, kind: str = "Q4_1") -> torch.Tensor:
+    """w as a GGUF file of that kind holds it: quantized, then dequantized to float32 as gguf
+    does (the default model's layers are Q4_1, its embedding and lm_head Q8_0)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
     a = w.detach().float().contiguous().numpy()
-    q = quantize(a, GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(dequantize(q, GGMLQuantizationType.Q4_1).reshape(a.shape).copy())
+    q = quantize(a, GGMLQuantizationType[kind])
+    return torch.from_numpy(dequantize(q, GGMLQuantizationType[kind]).reshape(a.shape).copy())
 
 
-def requantize_layers_q4_1(model_dir: Path) -> Path:
-    """Rewrites a checkpoint's decoder-layer linear weights as Q4_1 round trips (q4_1_round_trip),
-    as the default model's are."""
+def requantize(model_dir: Path) -> Path:
+    """Rewrites a checkpoint as the default model's GGUF holds its weights: decoder-layer
+    linears as Q4_1 round trips, the lm_head (untied) as Q8_0 (gguf_round_trip)."""
     from safetensors.torch import load_file, save_file
 
     for f in Path(model_dir).glob("*.safetensors"):
         tensors = load_file(f)
         for name, t in tensors.items():
             if ".layers." in name and name.endswith("proj.weight"):
-                tensors[name] = q4_1_round_trip(t)
+                tensors[name] = gguf_round_trip(t, "Q4_1")
+            elif name == "lm_head.weight":
+                tensors[name] = gguf_round_trip(t, "Q8_0")
         save_file(tensors, f, metadata={"format": "pt"})
     return Path(model_dir)

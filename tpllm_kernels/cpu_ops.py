@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tpllm_kernels import cpu_q4 as _q4
+from tpllm_kernels import cpu_blocks as _blocks
 from tpllm_kernels import reference as _ref
 from tpllm_kernels.cpu_ext import load
 from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
@@ -95,8 +95,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still
     # (AVX-512 host); beyond SMALL_M rows: GEMM_LIBRARY's GEMM (oneDNN without AVX-512).
     if _small_m_f32(x, weight):
-        if (q4 := getattr(weight, "q4", None)) is not None:  # its exact 4-bit copy (cpu_q4.py)
-            return _q4_linear_into(x, q4, bias, x.new_empty(x.shape[0], weight.shape[0]))
+        if (copy := getattr(weight, "block_copy", None)) is not None:  # exact (cpu_blocks.py)
+            return _block_linear_into(x, copy, bias, x.new_empty(x.shape[0], weight.shape[0]))
         return _ext.small_m_linear(x, weight, bias)
     # bf16 decode of 1-2 rows: each weight row read once, AVX512-BF16 dot products or (AVX2,
     # AVX-512) FMAs on rows widened as loaded (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer
@@ -191,8 +191,8 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     argument) compute as linear() does, then copy."""
     if out.is_contiguous() and x.dtype == weight.dtype:
         if _small_m_f32(x, weight):
-            if (q4 := getattr(weight, "q4", None)) is not None:
-                return _q4_linear_into(x, q4, None, out)
+            if (copy := getattr(weight, "block_copy", None)) is not None:
+                return _block_linear_into(x, copy, None, out)
             _ext.small_m_linear_into(x, weight, out)
             return out
         if (x.dim() == 2 and x.shape[0] > SMALL_M and _packed_copy(x, weight) is None
@@ -201,9 +201,11 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(linear(x, weight))
 
 
-def _q4_linear_into(x: torch.Tensor, q4: tuple[torch.Tensor, torch.Tensor],
-                    bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    _ext.small_m_linear_q4_into(x, q4[0], q4[1], bias, out)
+def _block_linear_into(x: torch.Tensor, copy: tuple[str, torch.Tensor, torch.Tensor],
+                       bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    kind, codes, scales = copy
+    into = _ext.small_m_linear_q4_into if kind == "q4" else _ext.small_m_linear_q8_into
+    into(x, codes, scales, bias, out)
     return out
 
 
@@ -291,11 +293,15 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
 # path). The model checks this flag.
 FUSED_DECODE = True
 
-# Exact 4-bit copies of float32 layer weights that are Q4_1 blocks (the default model's),
-# read by linear's C++ GEMV and the fused decode layers instead of the float32 weight: same
-# bits, a sixth of the bytes (cpu_q4.py). TPLLM_Q4_DECODE=0 keeps none (for comparisons).
-keep_q4_copy = (_q4.keep_q4_copy if hasattr(_ext, "small_m_linear_q4_into")
-                and os.environ.get("TPLLM_Q4_DECODE", "1").strip() != "0" else None)
+# Exact block copies of float32 weights that are Q4_1 / Q8_0 blocks (the default model's
+# layers / lm_head), read by linear's C++ GEMV and the fused decode layers instead of the
+# float32 weight: same bits, a sixth / a quarter of the bytes (cpu_blocks.py).
+# TPLLM_BLOCK_COPIES=0 keeps none (for comparisons).
+keep_block_copy = (_blocks.keep_block_copy if hasattr(_ext, "small_m_linear_q8_into")
+                   and os.environ.get("TPLLM_BLOCK_COPIES", "1").strip() != "0" else None)
+
+
+_COPY_BITS = {"q4": 4, "q8": 8}  # DecodeLayer's name for a block copy's kind
 
 
 def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
@@ -307,12 +313,14 @@ def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
     """One layer's weights and caches, bound for decode_stack and the decode halves."""
     if kv_index is None:
         kv_index = _uniform_kv_index(num_q, num_kv)
-    # each weight's exact 4-bit copy (q, dm) where it has one (cpu_q4.py), else (None, None)
-    q4 = [t for w in (qkv_weight, o_weight, gate_up_weight, down_weight)
-          for t in getattr(w, "q4", (None, None))]
+    # each weight's exact block copy where it has one (cpu_blocks.py): kind 4 or 8 (0: none)
+    # and its codes and scales
+    copies = [getattr(w, "block_copy", ("", None, None))
+              for w in (qkv_weight, o_weight, gate_up_weight, down_weight)]
     return _ext.DecodeLayer(norm1, eps1, qkv_weight, qkv_bias, num_q, num_kv, k_cache, v_cache,
                             scale, kv_index, o_weight, o_bias, norm2, eps2, gate_up_weight,
-                            gate_up_bias, down_weight, down_bias, q4)
+                            gate_up_bias, down_weight, down_bias,
+                            [_COPY_BITS.get(c[0], 0) for c in copies], [t for c in copies for t in c[1:]])
 
 
 def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,

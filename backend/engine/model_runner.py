@@ -45,7 +45,7 @@ class ModelRunner:
                               for _ in range(cfg.num_layers)]
         self.inputs = DeviceInputs(self.device)
         self.packed_weight_bytes = self._pack_weights(packed_rows)
-        self.q4_weight_bytes = self._keep_q4_copies()
+        self.block_copy_bytes = self._keep_block_copies()
         self.decode_graphs: DecodeGraphs | None = None
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
 
@@ -62,16 +62,16 @@ class ModelRunner:
             return 0
         return self.model.pack_linear_weights(rows)
 
-    def _keep_q4_copies(self) -> int:
-        """CPU decode steps read the layers' weights from exact 4-bit copies where the weights
-        are 4-bit blocks (tpllm_kernels/cpu_q4.py): same results, a sixth of the bytes read,
-        ~19% more memory held."""
+    def _keep_block_copies(self) -> int:
+        """CPU decode steps read weights from exact block copies where the float32 weights are
+        Q4_1 / Q8_0 blocks (tpllm_kernels/cpu_blocks.py): same results, a sixth / a quarter of
+        the bytes read, 19% / 28% more memory held."""
         if self.device.type != "cpu":
             return 0
         t0 = time.perf_counter()
-        kept = self.model.keep_q4_copies()
+        kept = self.model.keep_block_copies()
         if kept:
-            log.info("decode reads 4-bit copies of the layers' weights (%.1f MB, found in %.2f s)",
+            log.info("decode reads exact block copies of the weights (%.1f MB, found in %.2f s)",
                      kept / 1e6, time.perf_counter() - t0)
         return kept
 

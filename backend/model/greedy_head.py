@@ -65,26 +65,34 @@ def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V]) of a float32 or bf16
     head: each group's scale is its largest magnitude / 127 (rounded to float32; q is the
     nearest integer to w / scale, clamped to +-127), and coef the row's bound factor (module
-    doc; a bf16 head's own float32 sum rounds too: g |w_n| more), rounded up to float32."""
+    doc; a bf16 head's own float32 sum rounds too: g |w_n| more), rounded up to float32.
+    A head with an exact int8 block copy (tpllm_kernels/cpu_blocks.py: the GEMV reads it for
+    the full logits) shares its q and scales, the ones computed here (e_n = 0)."""
     v, k = weight.shape
     groups = k // Q8_GROUP
-    q = _host_zeros((v, k), torch.int8, weight)
-    scales = _host_zeros((v, groups), torch.float32, weight)
+    copy = getattr(weight, "block_copy", None)
+    exact = copy[1:] if copy is not None and copy[0] == "q8" else None
+    q = exact[0] if exact else _host_zeros((v, k), torch.int8, weight)
+    scales = exact[1] if exact else _host_zeros((v, groups), torch.float32, weight)
     coef = torch.empty(v, dtype=torch.float32)
     g = _sum_rounding(k)
     for start in range(0, v, _SLICE_ROWS):
         w = weight[start:start + _SLICE_ROWS].double().view(-1, groups, Q8_GROUP)
-        s = (w.abs().amax(dim=2) / 127).float().double()  # what the kernel multiplies by
-        qq = torch.where(s[..., None] > 0, torch.round(w / s[..., None].clamp_min(1e-300)),
-                         torch.zeros((), dtype=torch.float64)).clamp_(-127, 127)
+        rows = slice(start, start + w.shape[0])
+        if exact:
+            s, qq = scales[rows].double(), q[rows].double().view(-1, groups, Q8_GROUP)
+        else:
+            s = (w.abs().amax(dim=2) / 127).float().double()  # what the kernel multiplies by
+            qq = torch.where(s[..., None] > 0, torch.round(w / s[..., None].clamp_min(1e-300)),
+                             torch.zeros((), dtype=torch.float64)).clamp_(-127, 127)
         wq = qq * s[..., None]  # exact in float64: 8-bit integers times float32 scales
         err = (w - wq).flatten(1).norm(dim=1)
         bound = 1.05 * (err + g * wq.flatten(1).norm(dim=1))
         if weight.dtype == torch.bfloat16:  # the exact logit is itself a float32 sum
             bound += 1.05 * g * w.flatten(1).norm(dim=1)
-        rows = slice(start, start + w.shape[0])
-        q[rows] = qq.flatten(1).to(torch.int8)
-        scales[rows] = s.float()
+        if not exact:
+            q[rows] = qq.flatten(1).to(torch.int8)
+            scales[rows] = s.float()
         coef[rows] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
     return q, scales, coef
 

@@ -183,13 +183,14 @@ class LlamaForCausalLM(DirectModule):
         kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         return sum(pack(m.weight, rows) for m in self.modules() if isinstance(m, kinds))
 
-    def keep_q4_copies(self) -> int:
-        """An exact 4-bit copy beside every decoder linear's weight that has one, where the
-        kernels read them (ops.keep_q4_copy; tpllm_kernels/cpu_q4.py); returns their bytes."""
-        keep = getattr(self.ops, "keep_q4_copy", None)
+    def keep_block_copies(self) -> int:
+        """An exact block copy beside every linear's weight (lm_head included) that has one,
+        where the kernels read them (ops.keep_block_copy; tpllm_kernels/cpu_blocks.py); returns
+        their bytes."""
+        keep = getattr(self.ops, "keep_block_copy", None)
         if keep is None:
             return 0
-        kinds = (ColumnParallelLinear, RowParallelLinear)
+        kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         return sum(keep(m.weight) for m in self.modules() if isinstance(m, kinds))
 
     def _bound_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:

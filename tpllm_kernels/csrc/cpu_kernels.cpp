@@ -759,6 +759,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      c10::optional<torch::Tensor> bias, torch::Tensor y) {
     small_m_linear_q4_into(x, q, dm, bias, y);
   });
+  m.def("small_m_linear_q8_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                                     c10::optional<torch::Tensor> bias, torch::Tensor y) {
+    small_m_linear_q8_into(x, q, scales, bias, y);
+  });
   m.def("small_m_linear_bf16", &small_m_linear_bf16);
   m.def("bf16_gemv_supported", &bf16_gemv_supported);
   m.def("greedy_argmax_screened", &greedy_argmax_screened);

@@ -20,9 +20,13 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
 // layers, with its code gone cold after the GEMVs, each tensor allocation cost ~5 us.
 void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
                          const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
-// small_m_linear_into from a weight's exact 4-bit copy (cpu_gemv_q4.cpp): the same bits
+// small_m_linear_into from a weight's exact 4-bit or 8-bit block copy (cpu_gemv_blocks.cpp):
+// the same bits
 void small_m_linear_q4_into(const torch::Tensor& x, const torch::Tensor& q,
                             const torch::Tensor& dm, const c10::optional<torch::Tensor>& bias,
+                            torch::Tensor& y);
+void small_m_linear_q8_into(const torch::Tensor& x, const torch::Tensor& q,
+                            const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                             torch::Tensor& y);
 void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,

@@ -17,10 +17,12 @@
 namespace {
 
 // A linear's weight as the decode step reads it: the float32 / bf16 tensor, or (float32 only)
-// its exact 4-bit copy where there is one (cpu_gemv_q4.cpp; same bits, a sixth of the bytes)
+// its exact block copy where there is one (cpu_gemv_blocks.cpp; same bits, a sixth (bits 4)
+// or a quarter (bits 8) of the bytes)
 struct Weight {
   torch::Tensor w;
-  c10::optional<torch::Tensor> q4, q4_dm;
+  int64_t bits = 0;  // 0: no copy
+  c10::optional<torch::Tensor> codes, scales;
   int64_t rows() const { return w.size(0); }
 };
 
@@ -28,8 +30,10 @@ struct Weight {
 // once), as cpu_ops.linear computes them for the modular path
 void linear_into(const torch::Tensor& x, const Weight& weight,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
-  if (weight.q4.has_value() && x.scalar_type() == torch::kFloat32)
-    small_m_linear_q4_into(x, *weight.q4, *weight.q4_dm, bias, y);
+  if (weight.bits == 4 && x.scalar_type() == torch::kFloat32)
+    small_m_linear_q4_into(x, *weight.codes, *weight.scales, bias, y);
+  else if (weight.bits == 8 && x.scalar_type() == torch::kFloat32)
+    small_m_linear_q8_into(x, *weight.codes, *weight.scales, bias, y);
   else if (weight.w.scalar_type() == torch::kBFloat16)
     small_m_linear_bf16_into(x, weight.w, bias, y);
   else
@@ -190,12 +194,16 @@ void bind_decode_layer(pybind11::module& m) {
                        torch::Tensor norm2, double eps2, torch::Tensor gate_up_w,
                        c10::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                        c10::optional<torch::Tensor> down_b,
-                       std::vector<c10::optional<torch::Tensor>> q4) {
-        // q4: the 4-bit copies (q, dm) of qkv, o, gate_up and down, each pair or None
-        TORCH_CHECK(q4.empty() || q4.size() == 8, "DecodeLayer: q4 is 8 tensors (or none)");
-        q4.resize(8);
+                       std::vector<int64_t> bits,
+                       std::vector<c10::optional<torch::Tensor>> copies) {
+        // the block copies of qkv, o, gate_up and down: bits 4, 8 or 0 (none) and their
+        // (codes, scales) pairs
+        TORCH_CHECK(bits.size() == 4 && copies.size() == 8,
+                    "DecodeLayer: 4 copy kinds and 8 tensors");
         auto weight = [&](torch::Tensor w, int i) {
-          return Weight{w, q4[2 * i], q4[2 * i + 1]};
+          const bool both = copies[2 * i].has_value() && copies[2 * i + 1].has_value();
+          TORCH_CHECK(bits[i] == 0 || both, "DecodeLayer: a block copy without its tensors");
+          return Weight{w, bits[i], copies[2 * i], copies[2 * i + 1]};
         };
         return DecodeLayer{norm1, norm2, k_cache, v_cache, kv_index, weight(qkv_w, 0),
                            weight(o_w, 1), weight(gate_up_w, 2), weight(down_w, 3), qkv_b, o_b,
