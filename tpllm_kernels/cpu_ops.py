@@ -95,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still
     # (AVX-512 host); beyond SMALL_M rows: GEMM_LIBRARY's GEMM (oneDNN without AVX-512).
     if _small_m_f32(x, weight):
-        if (copy := getattr(weight, "block_copy", None)) is not None:  # exact (cpu_blocks.py)
+        if (copy := _block_copy(x, weight)) is not None:  # exact (cpu_blocks.py)
             return _block_linear_into(x, copy, bias, x.new_empty(x.shape[0], weight.shape[0]))
         return _ext.small_m_linear(x, weight, bias)
     # bf16 decode of 1-2 rows: each weight row read once, AVX512-BF16 dot products or (AVX2,
@@ -191,7 +191,7 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     argument) compute as linear() does, then copy."""
     if out.is_contiguous() and x.dtype == weight.dtype:
         if _small_m_f32(x, weight):
-            if (copy := getattr(weight, "block_copy", None)) is not None:
+            if (copy := _block_copy(x, weight)) is not None:
                 return _block_linear_into(x, copy, None, out)
             _ext.small_m_linear_into(x, weight, out)
             return out
@@ -199,6 +199,12 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
                 and not _onednn_f32(x, weight)):
             return torch.mm(x, weight.t(), out=out)
     return out.copy_(linear(x, weight))
+
+
+def _block_copy(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+    """weight's exact block copy if the GEMV reads it for x's rows (block_copy_max_rows)."""
+    copy = getattr(weight, "block_copy", None)
+    return copy if copy is not None and x.shape[0] <= _ext.block_copy_max_rows() else None
 
 
 def _block_linear_into(x: torch.Tensor, copy: tuple[str, torch.Tensor, torch.Tensor],

@@ -25,6 +25,7 @@ void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
 void small_m_linear_q4_into(const torch::Tensor& x, const torch::Tensor& q,
                             const torch::Tensor& dm, const c10::optional<torch::Tensor>& bias,
                             torch::Tensor& y);
+int64_t block_copy_max_rows();  // beyond them the weight itself is read
 void small_m_linear_q8_into(const torch::Tensor& x, const torch::Tensor& q,
                             const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
                             torch::Tensor& y);

@@ -30,9 +30,10 @@ struct Weight {
 // once), as cpu_ops.linear computes them for the modular path
 void linear_into(const torch::Tensor& x, const Weight& weight,
                  const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
-  if (weight.bits == 4 && x.scalar_type() == torch::kFloat32)
+  const bool copy = x.scalar_type() == torch::kFloat32 && x.size(0) <= block_copy_max_rows();
+  if (copy && weight.bits == 4)
     small_m_linear_q4_into(x, *weight.codes, *weight.scales, bias, y);
-  else if (weight.bits == 8 && x.scalar_type() == torch::kFloat32)
+  else if (copy && weight.bits == 8)
     small_m_linear_q8_into(x, *weight.codes, *weight.scales, bias, y);
   else if (weight.w.scalar_type() == torch::kBFloat16)
     small_m_linear_bf16_into(x, weight.w, bias, y);
