@@ -253,7 +253,7 @@ def report(res: dict) -> str:
         f"{fl['step_bytes'] / (rates['max'] * 1e6):.1f}-"
         f"{fl['step_bytes'] / (rates['min'] * 1e6):.1f} ms per token); /floor: median "
         f"[min-max] of the cells' ratios. Weights count in the model's dtype: a step that reads "
-        f"4-bit copies (header: decode weights) reads fewer bytes and may go below 1",
+        f"block copies (header: decode weights) reads fewer bytes and may go below 1",
         "step/paired read (quiet cells): each decode step's time over the time of a read of "
         "as many bytes right before it (median of a cell's steps; median [min-max] of cells)",
         f"busy: {cfg['busy']}",

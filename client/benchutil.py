@@ -137,9 +137,9 @@ def greedy_head_info(dtype: str) -> str:
 
 
 def decode_weights_info(dtype: str) -> str:
-    """Where a decode step reads the layers' weights from: their exact 4-bit copies where the
-    float32 weights are Q4_1 blocks (the default model's layers; tpllm_kernels/cpu_blocks.py: the
-    same results, ~0.19x the bytes), or the weights as stored. The floors count the weights in
+    """Where a decode step reads the weights from: exact block copies where the float32 weights
+    are Q4_1 / Q8_0 blocks (the default model's layers / lm_head; tpllm_kernels/cpu_blocks.py:
+    the same results, 0.19x / 0.28x the bytes), or the weights as stored. The floors count the weights in
     the model's dtype, so a step may take less than its floor."""
     from tpllm_kernels import cpu_ops
     if dtype == "float32" and cpu_ops.AVAILABLE and cpu_ops.keep_block_copy is not None:

@@ -224,7 +224,7 @@ def test_decode_reads_exact_block_copies(tmp_path, default_model_dir, monkeypatc
     from tests.tiny_models import make_tiny_checkpoint, requantize
     from tpllm_kernels import cpu_ops
     if not cpu_ops.AVAILABLE or cpu_ops.keep_block_copy is None:
-        no_cpu_kernels("no 4-bit GEMV without the C++ kernels")
+        no_cpu_kernels("no block-copy GEMV without the C++ kernels")
     model = requantize(make_tiny_checkpoint(  # hidden 96, MLP 160: whole blocks of 32
         "qwen2", tmp_path, tokenizer_dir=default_model_dir))
     prompts = ["The quick brown fox", "Once upon a time there", "1 2 3"]

@@ -29,29 +29,42 @@ def _block_scales(blocks: torch.Tensor, low: torch.Tensor) -> list[torch.Tensor]
     return out
 
 
+def _first_exact(blocks: torch.Tensor, candidates, encode, rebuild, code_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For every block [rows, blocks, 32], the first candidate scale ([rows, blocks, 1] each)
+    whose codes encode(1 / scale) give back the block bit for bit as rebuild(scale, codes), in
+    float32 as the kernel computes it: (scales, codes), or None where some block has none.
+    Compared as bits, so -0.0 and NaN never pass for something else; a candidate that is not
+    finite somewhere is not tried."""
+    found = torch.zeros(blocks.shape[:-1] + (1,), dtype=torch.bool)
+    s_of = torch.zeros(blocks.shape[:-1] + (1,), dtype=blocks.dtype)
+    q_of = torch.zeros_like(blocks, dtype=code_dtype)
+    bits = blocks.view(torch.int32)
+    for s in candidates:
+        if not torch.isfinite(s).all():
+            continue
+        q = encode(torch.where(s == 0, torch.zeros_like(s), 1 / s))
+        ok = (rebuild(s, q).view(torch.int32) == bits).all(-1, keepdim=True) & ~found
+        s_of = torch.where(ok, s, s_of)
+        q_of = torch.where(ok, q.to(code_dtype), q_of)
+        found |= ok
+    return (s_of, q_of) if bool(found.all()) else None
+
+
 def _q4_slice(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows, k = w.shape
     blocks = w.reshape(rows, k // BLOCK, BLOCK)
     low = blocks.amin(-1, keepdim=True)  # the block's q = 0 weight: m itself
-    found = torch.zeros_like(low, dtype=torch.bool)
-    d_of = torch.zeros_like(low)
-    q_of = torch.zeros_like(blocks, dtype=torch.uint8)
-    bits = blocks.view(torch.int32)
-    for d in _block_scales(blocks, low):
-        if not torch.isfinite(d).all():
-            continue
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = torch.round((blocks - low) * inv).clamp_(0, 15)
-        # float32 d * q + m, rounded once as the kernel's fused multiply-add rounds it (d * q is
-        # exact); compared as bits, so -0.0 and NaN never pass for something else
-        ok = (torch.addcmul(low, d, q).view(torch.int32) == bits).all(-1, keepdim=True) & ~found
-        d_of = torch.where(ok, d, d_of)
-        q_of = torch.where(ok, q.to(torch.uint8), q_of)
-        found |= ok
-    if not bool(found.all()):
+    # float32 d * q + m, rounded once as the kernel's fused multiply-add rounds it (d * q is
+    # exact: d is a half)
+    got = _first_exact(blocks, _block_scales(blocks, low),
+                       lambda inv: torch.round((blocks - low) * inv).clamp_(0, 15),
+                       lambda d, q: torch.addcmul(low, d, q), torch.uint8)
+    if got is None:
         return None
-    packed = q_of[..., :BLOCK // 2] | (q_of[..., BLOCK // 2:] << 4)
-    return packed.reshape(rows, k // 2), torch.cat([d_of, low], -1)
+    d, q = got
+    packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    return packed.reshape(rows, k // 2), torch.cat([d, low], -1)
 
 
 def _by_slices(weight: torch.Tensor, find) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -82,20 +95,14 @@ def _q8_slice(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows, k = w.shape
     blocks = w.reshape(rows, k // BLOCK, BLOCK)
     near = blocks.abs().amax(-1, keepdim=True) / 127  # the block's largest |q| is 127
-    found = torch.zeros_like(near, dtype=torch.bool)
-    s_of = torch.zeros_like(near)
-    q_of = torch.zeros_like(blocks, dtype=torch.int8)
-    bits = blocks.view(torch.int32)
-    for s in (near, near.to(torch.float16).float()):  # as computed, or a half's (GGUF's d)
-        inv = torch.where(s == 0, torch.zeros_like(s), 1 / s)
-        q = torch.round(blocks * inv).clamp_(-127, 127)
-        ok = ((q * s).view(torch.int32) == bits).all(-1, keepdim=True) & ~found  # the kernel's
-        s_of = torch.where(ok, s, s_of)
-        q_of = torch.where(ok, q.to(torch.int8), q_of)
-        found |= ok
-    if not bool(found.all()):
+    # as computed, or a half's (GGUF's d); rebuilt as the kernel's one float32 product
+    got = _first_exact(blocks, (near, near.to(torch.float16).float()),
+                       lambda inv: torch.round(blocks * inv).clamp_(-127, 127),
+                       lambda s, q: q * s, torch.int8)
+    if got is None:
         return None
-    return q_of.reshape(rows, k), s_of.reshape(rows, k // BLOCK)
+    s, q = got
+    return q.reshape(rows, k), s.reshape(rows, k // BLOCK)
 
 
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

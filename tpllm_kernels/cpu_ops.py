@@ -204,7 +204,7 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
 def _block_copy(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
     """weight's exact block copy if the GEMV reads it for x's rows (block_copy_max_rows)."""
     copy = getattr(weight, "block_copy", None)
-    return copy if copy is not None and x.shape[0] <= _ext.block_copy_max_rows() else None
+    return copy if copy is not None and x.shape[0] <= _BLOCK_COPY_ROWS else None
 
 
 def _block_linear_into(x: torch.Tensor, copy: tuple[str, torch.Tensor, torch.Tensor],
@@ -305,6 +305,8 @@ FUSED_DECODE = True
 # TPLLM_BLOCK_COPIES=0 keeps none (for comparisons).
 keep_block_copy = (_blocks.keep_block_copy if hasattr(_ext, "small_m_linear_q8_into")
                    and os.environ.get("TPLLM_BLOCK_COPIES", "1").strip() != "0" else None)
+# the most rows a GEMV reads a copy for (AVX2: 16; csrc block_copy_max_rows), asked once
+_BLOCK_COPY_ROWS = _ext.block_copy_max_rows() if keep_block_copy is not None else 0
 
 
 _COPY_BITS = {"q4": 4, "q8": 8}  # DecodeLayer's name for a block copy's kind
