@@ -77,7 +77,7 @@ def test_a_weight_that_is_not_blocks_gets_no_copy(case):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17, 64])
 def test_the_block_gemv_computes_the_float32_gemvs_bits(kind, rows):
     from tpllm_kernels import cpu_ops
     if not cpu_ops.AVAILABLE or cpu_ops.keep_block_copy is None:

@@ -68,11 +68,13 @@ struct Q8 {
 };
 
 // Input rows a tile of R weight rows takes at once: AVX-512 4 (R x 4 accumulators of its 32
-// registers); AVX2 (an F16 is two of its 16 ymm) 1 for 4-row tiles, else 4.
+// registers), or 8 for 2-row tiles (5+ inputs: each block is rebuilt once per 8 inputs instead
+// of once per 4); AVX2 (an F16 is two of its 16 ymm) 1 for 4-row tiles, else 4.
 template <int R>
 constexpr int inputs() {
 #if defined(TPLLM_SIMD16)
-  return simd::kRegsPerVec == 1 || R == 1 ? 4 : 1;
+  if (simd::kRegsPerVec == 1) return R == 2 ? 8 : 4;
+  return R == 1 ? 4 : 1;
 #else
   return 4;
 #endif
@@ -122,7 +124,7 @@ void block_rows(const uint8_t* q, const float* s, int64_t bytes, int64_t scales,
 #endif
 }
 
-// R weight rows x all M inputs, in groups of inputs<R>()
+// R weight rows x all M inputs, in groups of inputs<R>(), then the M % G left as one group
 template <class Codes, int R>
 void rows_by_inputs(const uint8_t* q, const float* s, int64_t bytes, int64_t scales,
                     const float* x, int64_t M, int64_t K, float* y, int64_t ldy) {
@@ -134,6 +136,10 @@ void rows_by_inputs(const uint8_t* q, const float* s, int64_t bytes, int64_t sca
   int64_t m = 0;
   for (; m + G <= M; m += G) run(std::integral_constant<int, G>{}, m);
   const int64_t left = M - m;
+  if constexpr (G > 7) if (left == 7) run(std::integral_constant<int, 7>{}, m);
+  if constexpr (G > 6) if (left == 6) run(std::integral_constant<int, 6>{}, m);
+  if constexpr (G > 5) if (left == 5) run(std::integral_constant<int, 5>{}, m);
+  if constexpr (G > 4) if (left == 4) run(std::integral_constant<int, 4>{}, m);
   if constexpr (G > 3) if (left == 3) run(std::integral_constant<int, 3>{}, m);
   if constexpr (G > 2) if (left == 2) run(std::integral_constant<int, 2>{}, m);
   if constexpr (G > 1) if (left == 1) run(std::integral_constant<int, 1>{}, m);
@@ -160,9 +166,9 @@ void linear_into(const char* name, const torch::Tensor& x, const torch::Tensor& 
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // tiles of 4 weight rows (AVX2 with 2+ inputs: a row at a time with 4 inputs, whose 4
-  // chains are as independent, rather than 4-row tiles of one input, which rebuild each block
-  // once per input); a task is >= ~16 KB of the copy: the rebuild makes a row's work
+  // tiles of 4 weight rows (AVX-512 with 5+ inputs: as two 2-row tiles of 8 inputs; AVX2 with
+  // 2+ inputs: a row at a time with 4 inputs, whose 4 chains are as independent, rather than
+  // 4-row tiles of one input, which rebuild each block once per input); a task is >= ~16 KB of the copy: the rebuild makes a row's work
   // several times its bytes' worth, so tasks are cut finer than the float32 GEMV's 64 KB
   constexpr int64_t kRows = 4;
   const int64_t tiles = (N + kRows - 1) / kRows;
@@ -172,7 +178,11 @@ void linear_into(const char* name, const torch::Tensor& x, const torch::Tensor& 
       const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
       const uint8_t* qn = qp + n0 * bytes;
       const float* sn = sp + n0 * scales;
-      if (rows == kRows && (M == 1 || inputs<kRows>() > 1)) {
+      if (rows == kRows && M > inputs<kRows>() && inputs<2>() > inputs<kRows>()) {
+        for (int64_t r = 0; r < kRows; r += 2)
+          rows_by_inputs<Codes, 2>(qn + r * bytes, sn + r * scales, bytes, scales, xp, M, K,
+                                   yp + n0 + r, N);
+      } else if (rows == kRows && (M == 1 || inputs<kRows>() > 1)) {
         rows_by_inputs<Codes, kRows>(qn, sn, bytes, scales, xp, M, K, yp + n0, N);
       } else {
         for (int64_t r = 0; r < rows; ++r)
