@@ -10,7 +10,7 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.engine.ngram import NgramIndex
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import NgramSpeculator
+from backend.engine.speculation import Acceptance, NgramSpeculator
 
 
 def test_ngram_index_finds_the_most_recent_earlier_occurrence():
@@ -36,12 +36,13 @@ def _running(ids: list[int], temperature: float = 0.0, max_tokens: int = 100) ->
     return seq
 
 
-def test_propose_limits_and_adaptive_k():
+def test_propose_limits():
     spec = NgramSpeculator(max_draft=4, match=2, max_rows=8)
     ids = list(range(10)) + [3, 4]
     greedy, sampled = _running(ids), _running(ids, temperature=0.7)
     spec.propose([greedy, sampled], waiting=0, max_num_seqs=8)
     assert greedy.draft_token_ids == [5, 6, 7, 8] and sampled.draft_token_ids == []
+    assert greedy.spec.source == "suffix"
     spec.propose([greedy], waiting=1, max_num_seqs=8)  # admission first: no drafts
     assert greedy.draft_token_ids == []
     spec.propose([greedy], waiting=0, max_num_seqs=3)  # sampled rows stay <= max_num_seqs
@@ -50,22 +51,61 @@ def test_propose_limits_and_adaptive_k():
     short.num_prompt_tokens = len(ids) - 1
     spec.propose([short], waiting=0, max_num_seqs=8)
     assert short.draft_token_ids == [5]
-    # adaptive: accepted (all or some) -> k = max_draft; nothing -> k = 1 for copies followed
-    greedy.draft_token_ids = [5, 6, 7, 8]
-    assert spec.accept(greedy, [5, 6, 7, 8, 9]) == 4 and greedy.spec.k == 4
-    greedy.draft_token_ids = [5, 6, 7, 8]
-    assert spec.accept(greedy, [5, 0, 0, 0, 0]) == 1 and greedy.spec.k == 4
-    # two misses in a row: no proposals for the next 4 steps, then again
-    for _ in range(2):
-        greedy.draft_token_ids = [5, 6]
-        assert spec.accept(greedy, [0, 0, 0]) == 0
-    assert greedy.spec.k == 1
-    for _ in range(4):
-        spec.propose([greedy], waiting=0, max_num_seqs=8)
-        assert greedy.draft_token_ids == []
-    spec.propose([greedy], waiting=0, max_num_seqs=8)
-    # a whole-suffix match ([3, 4]) drafts all it may, whatever k
-    assert greedy.draft_token_ids == [5, 6, 7, 8]
+    full = NgramSpeculator(max_draft=4, match=2, max_rows=3)  # the step's rows, drafts included
+    spec_rows = _running(ids)
+    full.propose([spec_rows], waiting=0, max_num_seqs=8)
+    assert spec_rows.draft_token_ids == [5, 6]
+
+
+def test_draft_length_weighs_the_sources_record_against_the_cost_of_a_row():
+    rec = Acceptance.prior("suffix")
+    alone = rec.length(7, 1.0, 1.0, 0.2)[0]
+    assert 3 <= alone < 7  # a fair record: not every row it may have
+    for _ in range(6):
+        rec.record(7, 7)  # every token right, again and again: every row
+    assert rec.length(7, 1.0, 1.0, 0.2)[0] == 7
+    assert rec.length(3, 1.0, 1.0, 0.2)[0] == 3  # within the limit
+    for _ in range(10):
+        rec.record(7, 0)  # the first token wrong every time: no draft at all
+    assert rec.length(7, 1.0, 1.0, 0.2) == (0, 0.0)
+    for _ in range(5):
+        rec.record_first(True)  # its would-be first tokens right again (shadows): drafts again
+    assert rec.length(7, 1.0, 1.0, 0.2)[0] > 0
+    # rows that cost nothing: every row that might be accepted; rows as dear as a step: none
+    assert Acceptance.prior("short").length(7, 1.0, 1.0, 0.0)[0] == 7
+    assert Acceptance.prior("suffix").length(7, 1.0, 1.0, 1.0)[0] == 0
+    # beside other sequences a draft is weighed against the whole step's tokens per cost: the
+    # same record drafts less next to three others (4 tokens for 1.6 steps already)
+    busy = Acceptance.prior("short").length(7, 4.0, 1.6, 0.2)[0]
+    assert busy < Acceptance.prior("short").length(7, 1.0, 1.0, 0.2)[0]
+    # the expected tokens it adds: the chances that drafts 1..d are all right, summed
+    gain = Acceptance(1.0, 2.0, 3.0, 4.0).length(2, 1.0, 1.0, 0.0)
+    assert gain == (2, 0.5 + 0.5 * 0.75)
+
+
+def test_a_source_that_keeps_missing_stops_drafting_until_its_shadow_hits():
+    spec = NgramSpeculator(max_draft=4, match=2, max_rows=8)
+    ids = list(range(10)) + [3, 4]
+    seq = _running(ids)
+    for _ in range(10):  # the suffix match [3, 4] -> 5... is wrong every time
+        spec.propose([seq], waiting=0, max_num_seqs=8)
+        if not seq.draft_token_ids:
+            break
+        assert seq.spec.source == "suffix"
+        assert spec.accept(seq, [0] * (len(seq.draft_token_ids) + 1)) == 0
+        seq.draft_token_ids = []  # (the context stays: the next step sees the same suffix)
+    assert seq.draft_token_ids == [] and seq.spec.shadow == 5
+    misses = seq.spec.records["suffix"].first_hits
+    spec.observe(seq, 0)  # decoded something else: scored as a miss, for free
+    assert seq.spec.records["suffix"].first_hits < misses and seq.spec.shadow is None
+    drafted = False
+    for _ in range(8):  # the model now decodes what the draft would have started with
+        spec.propose([seq], waiting=0, max_num_seqs=8)
+        if seq.draft_token_ids:
+            drafted = True
+            break
+        spec.observe(seq, 5)
+    assert drafted and seq.draft_token_ids[0] == 5
 
 
 def _append(seq: Sequence, tokens: list[int]) -> None:
@@ -91,74 +131,46 @@ def test_a_copy_goes_on_past_a_substituted_token():
     spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
     # source line [20, 21, 22, 23, 24, 25]; the output repeats it with 22 renamed to 90
     seq = _running([1, 2, 20, 21, 22, 23, 24, 25, 26, 3, 20, 21])
-    # [3, 20, 21] is new; [20, 21] occurred: drafts [22, 23, 24, 25]
-    assert _decode(spec, seq, [90, 23, 24, 25, 26]) == 0
-    assert seq.token_ids[-3:] == [20, 21, 90] and seq.spec.k == 1
-    # [20, 21, 90] never occurred: the copy goes on after the 22 the model replaced, one
-    # token (nothing of the last draft was accepted), before any shorter suffix
+    # [3, 20, 21] is new; [20, 21] occurred: a short suffix's draft, [22, 23] (its prior)
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [23]
+    assert seq.draft_token_ids == [22, 23] and seq.spec.source == "short"
+    assert _decode(spec, seq, [90, 23, 24]) == 0
+    assert seq.token_ids[-3:] == [20, 21, 90]
+    # [20, 21, 90] never occurred: the copy goes on after the 22 the model replaced, before
+    # any shorter suffix; right after the output left its copy, one token
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.draft_token_ids == [23] and seq.spec.source == "diverged"
     seq.draft_token_ids = []
     assert _decode(spec, seq, [23, 24]) == 1
-    # accepted: the followed copy drafts k tokens again ([90, 23, 24] occurred nowhere)
+    # back in step with the copy ([90, 23, 24] occurred nowhere): k tokens of it
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [25, 26, 3, 20]
+    assert seq.draft_token_ids == [25, 26, 3, 20] and seq.spec.source == "follow"
 
 
-def test_shorter_ngrams_then_resume_when_the_pause_would_have_hit():
+def test_shorter_ngrams_when_the_whole_suffix_never_occurred():
     spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
     seq = _running(list(range(10)) + [8, 3, 4])  # [8, 3, 4] is new, [3, 4] occurred before
-    # not a whole-suffix match and nothing verified yet: one token, as after a miss
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [5]
+    assert seq.draft_token_ids[0] == 5 and seq.spec.source == "short"
     single = _running([1, 2, 3, 9, 9, 7, 1])  # only the last token occurred before
     spec.propose([single], waiting=0, max_num_seqs=8)
-    assert single.draft_token_ids == [2]
-    assert _decode(spec, single, [2, 3]) == 1  # accepted: k tokens from now on
+    assert single.draft_token_ids[0] == 2 and single.spec.source == "short"
+    assert single.draft_token_ids == [2, 3] and _decode(spec, single, [2, 3, 9]) == 2
     spec.propose([single], waiting=0, max_num_seqs=8)
-    assert single.draft_token_ids == [9, 9, 7, 1]  # [1, 2, 3] is a whole-suffix match
+    assert single.spec.source == "suffix"  # [2, 3, 9] is a whole-suffix match now
+    assert single.draft_token_ids[:2] == [9, 7]
     fresh = _running([1, 2, 3])
     spec.propose([fresh], waiting=0, max_num_seqs=8)
-    assert fresh.draft_token_ids == []  # no suffix occurred before, not even one token
-    # two misses: the model decodes 0 where the copy of [5, 6, 7, ...] says 5, then 6
-    seq.draft_token_ids = []
-    assert _decode(spec, seq, [0, 0, 0, 0, 0]) == 0
-    assert _decode(spec, seq, [0, 0]) == 0  # the copy followed, one token: [6]
-    assert seq.spec.pause == 4
-    # paused: no drafts; the first token a draft would have had (the copy's 7) is remembered
-    spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [] and seq.spec.shadow == 7
-    spec.observe(seq, 0)  # the model decoded something else: still paused
-    _append(seq, [0])
-    spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [] and seq.spec.pause == 2 and seq.spec.shadow == 8
-    spec.observe(seq, 8)  # it decoded what the draft would have started with: drafting again
-    _append(seq, [8])
-    assert seq.spec.pause == 0 and seq.spec.misses == 0
-    spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [9]  # the copy followed, one token after the misses
+    assert fresh.draft_token_ids == [] and fresh.spec.shadow is None  # nothing occurred before
 
 
-def test_copy_rows_caps_a_followed_copy_but_not_a_whole_suffix_match():
-    # on CPU a copy that is not a whole-suffix match drafts at most copy_rows after an accept
-    spec = NgramSpeculator(max_draft=7, match=3, max_rows=8, copy_rows=5)
+def test_rows_that_cost_nothing_draft_every_token_a_copy_has():
+    # a GPU-like cost (rows nearly free): a followed copy drafts max_draft
+    spec = NgramSpeculator(max_draft=7, match=3, max_rows=64, row_cost=0.0)
     source = list(range(20, 40))
     seq = _running([1] + source + [2, 20, 21])  # [2, 20, 21] is new, [20, 21] occurred
-    assert _decode(spec, seq, [22, 23]) == 1  # first draft: one token ([22])
-    assert seq.spec.k == 5
-    # [20, 21, 22, 23] is now a whole-suffix match of length 3: it drafts all 7
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == list(range(24, 31))
-    # the model differs at the third token: the copy is followed on past it, k stays 5
-    assert spec.accept(seq, [24, 25, 99, 0, 0, 0, 0, 0]) == 2 and seq.spec.k == 5
-    _append(seq, [24, 25, 99])
-    seq.draft_token_ids = []
-    spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [27, 28, 29, 30, 31]  # capped at copy_rows, not 7
-    # without a cap a followed copy drafts max_draft after an accept
-    uncapped = NgramSpeculator(max_draft=7, match=3, max_rows=8)
-    seq = _running([1] + source + [2, 20, 21])
-    assert _decode(uncapped, seq, [22, 23]) == 1 and seq.spec.k == 7
+    assert seq.draft_token_ids == list(range(22, 29))
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -24,7 +24,8 @@ from backend.engine.request_check import PreparedRequest, prepare_request
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.speculation import CPU_COPY_ROWS, CPU_VERIFY_ROWS, NgramSpeculator
+from backend.engine.speculation import (CPU_ROW_COST, CPU_VERIFY_ROWS, GPU_ROW_COST,
+                                         NgramSpeculator)
 from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
@@ -112,7 +113,7 @@ class LLMEngine:
         self.speculator = NgramSpeculator(
             config.speculative_ngram, config.speculative_ngram_match,
             min(self.plan.decode_sizes[-1], CPU_VERIFY_ROWS if on_cpu else 1 << 30),
-            CPU_COPY_ROWS if on_cpu else None
+            CPU_ROW_COST if on_cpu else GPU_ROW_COST
         ) if config.speculative_ngram else None
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0

@@ -18,28 +18,34 @@ per draft; both simply decode one token a step. Penalties, min_tokens, stop stri
 logprobs work unchanged: each row is sampled as a view of the sequence with the drafts before it
 appended.
 
-Where a draft comes from (SpecState.propose), best evidence first: what followed the most
-recent earlier occurrence of the context's last `match` tokens; else the copy the previous draft
-came from, continued past the token where the model differed (a renamed variable, a list's next
-number: one token is new, the rest of the line still follows the source); else shorter suffixes,
-down to one token. A copy runs on into itself past the context's end, so a loop of period p
-drafts whole periods. How long: a whole-suffix match gets every row the step has room for (up
-to k); the other sources get `copy_rows` (k, or 5 on CPU) after a draft that was at least
-partly accepted and a single token after one that was not, or before any was verified (the
-measured acceptance of each source, ~0.2 for the first token of a copy followed after a miss
-against 0.6-1.0 otherwise, is why). Why 5 on CPU: over bench speculation's grounded prompts
-(AVX2 AMD EPYC, k 7, match 4) a followed copy's drafts were all accepted through position i
-with probability 0.73, 0.66, 0.62, 0.62, 0.55, then 0.10 and 0.01 at positions 6 and 7, and a
-verify row costs ~3.2 ms against a ~17 ms one-row step there (its GEMV multiply-adds are not
-hidden under the weight read): a row pays only if it is used with probability above ~0.2.
-After consecutive drafts with nothing accepted the sequence stops proposing for a doubling
-number of steps (a no-overlap workload then runs plain decode steps), and it resumes as soon
-as the token it would have drafted first is the one the model decodes (checked for free:
-nothing is verified while paused). Drafts are only proposed while every running sequence is
-decoding and nothing waits for admission (prompts go first, and a verify step stays a
-decode-only step: the fused decode kernels), and only while the step's rows stay within
-`max_rows` (on CPU 8: a step stays bound by reading the weights; big batches are compute-bound
-and gain nothing).
+Where a draft comes from (SpecState.candidate), best evidence first: what followed the most
+recent earlier occurrence of the context's last `match` tokens ("suffix"); else the copy the
+previous draft came from, continued past the token where the model differed (a renamed
+variable, a list's next number: one token is new, the rest of the line still follows the
+source; "follow" while the copy and the output agree on the last token, "diverged" right after
+they did not); else shorter suffixes, down to one token ("short"). A copy runs on into itself
+past the context's end, so a loop of period p drafts whole periods.
+
+How long (Acceptance.length): each sequence keeps, per source, a recent record of how often
+its drafts' first token was right and how often a later token was, given the one before it
+was; the draft length d (0 to k) is the one with the most expected tokens per unit of step
+cost, a step of r rows costing 1 + row_cost * (r - 1) one-row steps. Why a cost model: a
+verify row is not free where a step's multiply-adds are no longer hidden under the weight
+read. On CPU (row_cost 0.2), SmolLM2 float32 at ~1000 tokens of context, steps of r rows cost
+1.09-1.10 (r 2), 1.46-1.48 (4), 1.78-1.83 (6) and 2.30-2.34 (8) one-row steps (7.0-7.6 ms;
+AMD EPYC Zen 5, AVX-512, 2 threads, exact Q4 block copies; the AVX2 path ~0.19 a row): a
+draft of d tokens pays only if it is expected to add more than ~0.2 d tokens, so a source that
+has been wrong lately drafts one token or none, a reliable one up to k. With d 0 the token the
+draft would have started with is still checked against the one decoded (for free: nothing is
+verified), so a source that becomes right again is drafted from again. This replaced fixed
+rules (one token after a miss, at most 5 from a copy, pauses of 4-64 steps after repeated
+misses): over bench speculation's prompts, in one process, alternating per prompt, they drafted
+1804 tokens for 604 accepted on free-form chat where this drafts 1241 for 610 (chat 1.12x vs
+1.15x, grounded 1.62x vs 1.69x; the VM's drift is ~5% between such runs). Drafts are only proposed
+while every running sequence is decoding and nothing waits for admission (prompts go first,
+and a verify step stays a decode-only step: the fused decode kernels), and only while the
+step's rows stay within `max_rows` (on CPU 8: big batches are compute-bound and gain nothing);
+with several sequences in a step a draft is weighed against the whole step's tokens and cost.
 """
 from __future__ import annotations
 
@@ -52,47 +58,103 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
-_MAX_PAUSE = 64  # steps without proposals after repeated misses, at most
 CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carry drafts
-CPU_COPY_ROWS = 5  # the most drafts, on CPU, of a copy that is not a whole-suffix match
+CPU_ROW_COST = 0.2  # a verify row's cost in one-row steps on CPU (module docstring)
+GPU_ROW_COST = 0.02  # on a GPU a decode step's few extra rows are nearly free
+_DECAY = 0.8  # how much of a source's record an older verification keeps, per new one
+_PRIOR_WEIGHT = 2.0  # a new sequence's record: this many verifications at the priors' rates
+# Before any evidence, each source's first-token and later-token acceptance: a whole-suffix
+# match or a copy still in step is often right; the token right after the output left its
+# copy (bench speculation's grounded prompts: ~0.2) and a short suffix less often.
+_PRIORS = {"suffix": (0.7, 0.85), "follow": (0.7, 0.85), "diverged": (0.25, 0.8),
+           "short": (0.35, 0.7)}
+
+
+@dataclass
+class Acceptance:
+    """One draft source's recent record in one sequence: how often its first token was right,
+    and each later token given that the one before it was (decayed: recent evidence counts
+    most, so a sequence that stops copying stops drafting within a few steps)."""
+    first_hits: float
+    first_tries: float
+    later_hits: float
+    later_tries: float
+
+    @classmethod
+    def prior(cls, source: str) -> Acceptance:
+        first, later = _PRIORS[source]
+        w = _PRIOR_WEIGHT
+        return cls(first * w, w, later * w, w)
+
+    def record_first(self, hit: bool) -> None:
+        self.first_tries = self.first_tries * _DECAY + 1
+        self.first_hits = self.first_hits * _DECAY + hit
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens of which the first `accepted` were right."""
+        self.record_first(accepted > 0)
+        if accepted:
+            # token i > 1 is put to the test only when token i - 1 was accepted
+            self.later_tries = self.later_tries * _DECAY + min(accepted, drafted - 1)
+            self.later_hits = self.later_hits * _DECAY + accepted - 1
+
+    def length(self, limit: int, tokens: float, cost: float, row_cost: float
+               ) -> tuple[int, float]:
+        """The draft length in [0, limit] that gives the step (so far `tokens` expected tokens
+        at `cost` one-row steps) the most tokens per cost, and the tokens it adds."""
+        first = self.first_hits / self.first_tries
+        later = self.later_hits / self.later_tries
+        best, best_rate, best_gain = 0, tokens / cost, 0.0
+        gain, p = 0.0, first  # p: the chance that drafts 1..d are all accepted
+        for d in range(1, limit + 1):
+            gain += p
+            p *= later
+            rate = (tokens + gain) / (cost + row_cost * d)
+            if rate > best_rate:
+                best, best_rate, best_gain = d, rate, gain
+        return best, best_gain
+
+
+def _records() -> dict[str, Acceptance]:
+    return {source: Acceptance.prior(source) for source in _PRIORS}
 
 
 @dataclass
 class SpecState:
     """One sequence's drafting state."""
     indices: list[NgramIndex]  # the longest n-gram first, down to single tokens
-    k: int  # tokens a draft not from a whole-suffix match may have (1 after a miss)
-    misses: int = 0  # consecutive verifications that accepted nothing
-    pause: int = 0  # steps left without proposing
-    shadow: int | None = None  # while paused: the token a draft would have started with
-    follow: int | None = None  # where the copy the last draft came from goes on (see propose)
-    start: int | None = None  # where this step's draft was copied from
+    records: dict[str, Acceptance]  # per draft source
+    follow: int | None = None  # where the copy the last draft came from goes on (see candidate)
+    start: int | None = None  # where this step's candidate was copied from
+    source: str | None = None  # this step's candidate's source
+    shadow: int | None = None  # no draft this step: the token the candidate started with
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """What followed the most recent earlier occurrence of the longest suffix of token_ids
-        (speculative_ngram_match tokens) that occurred before, `limit` tokens of it: a whole
-        suffix matched is good evidence. Failing that, self.k tokens (at most `limit`) of the
-        copy the last draft came from, continued past the token the model put in place of the
-        draft's (a renamed variable, the next number of a list: one token differs, the rest of
-        the line is still the source's); failing that, of shorter suffixes, down to one token."""
+    def candidate(self, token_ids: list[int], limit: int) -> tuple[str, list[int]] | None:
+        """Up to `limit` tokens (limit >= 1) of the best-evidence draft, and its source: what
+        followed the most recent earlier occurrence of the whole suffix of token_ids
+        (speculative_ngram_match tokens); failing that, the copy the last draft came from,
+        continued past the token the model put in place of the draft's (a renamed variable,
+        the next number of a list: one token differs, the rest of the line is still the
+        source's); failing that, shorter suffixes, down to one token. None: nothing occurred
+        before."""
         self.start = None
         longest, *shorter = self.indices
         if draft := longest.propose(token_ids, limit):
             self.start = longest.last_start
-            return draft
-        k = min(self.k, limit)
-        if self.follow is not None and self.follow < len(token_ids) and k > 0:
-            self.start = self.follow
-            return copy_from(token_ids, self.follow, k)
+            return "suffix", draft
+        if self.follow is not None and self.follow < len(token_ids):
+            f = self.start = self.follow
+            in_step = f > 0 and token_ids[f - 1] == token_ids[-1]
+            return ("follow" if in_step else "diverged"), copy_from(token_ids, f, limit)
         for index in shorter:
-            if draft := index.propose(token_ids, k):
+            if draft := index.propose(token_ids, limit):
                 self.start = index.last_start
-                return draft
-        return []
+                return "short", draft
+        return None
 
     def advanced(self, appended: int) -> None:
         """The sequence appended `appended` tokens (accepted drafts and the model's own): the
-        copy this step's draft came from (or the one followed before, if nothing was drafted)
+        copy this step's candidate came from (or the one followed before, if there was none)
         goes on that much further, taking the model's token for the source's where they
         differ."""
         at = self.start if self.start is not None else self.follow
@@ -102,11 +164,27 @@ class SpecState:
 
 @dataclass
 class DraftRow:
-    """A verify row as the sampler sees it: the sequence with the drafts before this row."""
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    generator: torch.Generator | None = None
+    """A verify row as the sampler sees it (a SamplingRow): the sequence with its first `drafts`
+    drafts appended. token_ids is built only when read (penalties, min_tokens): a copy of a
+    long context per row per step made the collector's young-generation passes ~0.5 ms each."""
+    seq: Sequence
+    drafts: int
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.seq.draft_token_ids[:self.drafts]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
 
 
 @dataclass
@@ -114,12 +192,7 @@ class NgramSpeculator:
     max_draft: int  # speculative_ngram
     match: int  # speculative_ngram_match
     max_rows: int  # decode rows (drafts included) a step may have
-    copy_rows: int | None = None  # drafts of a copy not from a whole-suffix match (None: max_draft)
-
-    @property
-    def copy_k(self) -> int:
-        """k after an accepted draft: copy_rows (max_draft when unset), at most max_draft."""
-        return min(self.max_draft, self.copy_rows or self.max_draft)
+    row_cost: float = CPU_ROW_COST  # a verify row's cost in one-row steps
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -135,6 +208,8 @@ class NgramSpeculator:
             return  # admission and prompt chunks first (and verify steps stay decode-only)
         # rows left: the step's decode rows, and every sampled row, stay within their limits
         room = min(self.max_rows - len(decoding), max_num_seqs - len(running))
+        # the step so far: a token per sequence, for one row each
+        tokens, cost = float(len(decoding)), 1.0 + self.row_cost * (len(decoding) - 1)
         for seq in decoding:
             if room <= 0:
                 break
@@ -142,53 +217,49 @@ class NgramSpeculator:
                 continue
             st = seq.spec
             if st is None:
-                # no evidence yet: one token, as after a miss
-                st = seq.spec = SpecState([NgramIndex(n) for n in range(self.match, 0, -1)], 1)
-            if st.pause > 0:
-                st.pause -= 1
-                shadow = st.propose(seq.token_ids, 1)
-                st.shadow = shadow[0] if shadow else None
-                continue
+                indices = [NgramIndex(n) for n in range(self.match, 0, -1)]
+                st = seq.spec = SpecState(indices, _records())
+            st.source = st.shadow = None
             left = seq.params.max_tokens - seq.num_output_tokens - 1  # the bonus token is extra
-            draft = st.propose(seq.token_ids, min(self.max_draft, room, left))
-            seq.draft_token_ids = draft
-            room -= len(draft)
+            limit = min(self.max_draft, room, left)
+            found = st.candidate(seq.token_ids, limit) if limit > 0 else None
+            if found is None:
+                continue
+            st.source, draft = found
+            d, gain = st.records[st.source].length(len(draft), tokens, cost, self.row_cost)
+            if d == 0:
+                st.shadow = draft[0]  # checked against the decoded token (observe)
+                continue
+            seq.draft_token_ids = draft[:d]
+            room -= d
+            tokens += gain
+            cost += self.row_cost * d
 
     @staticmethod
     def observe(seq: Sequence, token: int) -> None:
-        """seq decoded `token` without drafts: the copy it follows moves on by one; if it is
-        paused and its draft would have started with `token`, drafting pays again, so the pause
-        ends (costs nothing: no row was verified)."""
+        """seq decoded `token` without drafts: the copy it follows moves on by one; a candidate
+        not drafted (its shadow token) is scored against `token`, for free."""
         st = seq.spec
         if st is None:
             return
         st.advanced(1)
         if st.shadow is not None:
-            if st.shadow == token:
-                st.pause = st.misses = 0
-            st.shadow = None
+            st.records[st.source].record_first(st.shadow == token)
+        st.source = st.shadow = None
 
     def verify_rows(self, seq: Sequence) -> list[DraftRow]:
         """The sampler rows of a verified sequence: the sequence itself, then one per draft."""
-        rows: list = [seq]
-        for i in range(1, len(seq.draft_token_ids) + 1):
-            rows.append(DraftRow(seq.params, seq.token_ids + seq.draft_token_ids[:i],
-                                 seq.num_prompt_tokens, seq.generator))
-        return rows
+        return [seq, *(DraftRow(seq, i) for i in range(1, len(seq.draft_token_ids) + 1))]
 
     def accept(self, seq: Sequence, sampled: list[int]) -> int:
-        """How many of seq's drafts the model agrees with (sampled: its k + 1 rows' tokens);
-        adapts seq's k. The tokens to append are sampled[:accepted + 1]."""
+        """How many of seq's drafts the model agrees with (sampled: its k + 1 rows' tokens),
+        recorded for the draft's source. The tokens to append are sampled[:accepted + 1]."""
         draft = seq.draft_token_ids
         a = 0
         while a < len(draft) and sampled[a] == draft[a]:
             a += 1
         st = seq.spec
+        st.records[st.source].record(len(draft), a)
         st.advanced(a + 1)
-        if a:
-            st.k, st.misses = self.copy_k, 0
-        else:
-            st.k, st.misses = 1, st.misses + 1
-            if st.misses >= 2:
-                st.pause = min(_MAX_PAUSE, 1 << st.misses)
+        st.source = None
         return a
