@@ -39,9 +39,11 @@ has been wrong lately drafts one token or none, a reliable one up to k. With d 0
 draft would have started with is still checked against the one decoded (for free: nothing is
 verified), so a source that becomes right again is drafted from again. This replaced fixed
 rules (one token after a miss, at most 5 from a copy, pauses of 4-64 steps after repeated
-misses): over bench speculation's prompts, in one process, alternating per prompt, they drafted
-1804 tokens for 604 accepted on free-form chat where this drafts 1241 for 610 (chat 1.12x vs
-1.15x, grounded 1.62x vs 1.69x; the VM's drift is ~5% between such runs). Drafts are only proposed
+misses): over bench speculation's prompts, one engine switching between them per prompt (so
+prompts mostly prefix-cached), the fixed rules drafted 1804 tokens for 604 accepted on free-form
+chat where this drafts 1241 for 610 (chat 1.12x vs 1.15x, grounded 1.62x vs 1.69x; the VM drifts
+~5% between such runs); `bench speculation` itself went from 1.48x / 0.99x / 1.00x to 1.50x /
+1.10x / 0.99x. Drafts are only proposed
 while every running sequence is decoding and nothing waits for admission (prompts go first,
 and a verify step stays a decode-only step: the fused decode kernels), and only while the
 step's rows stay within `max_rows` (on CPU 8: big batches are compute-bound and gain nothing);
