@@ -10,7 +10,7 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.engine.ngram import NgramIndex
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import Acceptance, NgramSpeculator
+from backend.engine.speculation import _PRIOR_WEIGHT, Acceptance, NgramSpeculator
 
 
 def test_ngram_index_finds_the_most_recent_earlier_occurrence():
@@ -78,6 +78,12 @@ def test_draft_length_weighs_the_sources_record_against_the_cost_of_a_row():
     # same record drafts less next to three others (4 tokens for 1.6 steps already)
     busy = Acceptance.prior("short").length(7, 4.0, 1.6, 0.2)[0]
     assert busy < Acceptance.prior("short").length(7, 1.0, 1.0, 0.2)[0]
+    # one-token drafts, accepted, however many: nothing to learn about later tokens, and the
+    # record stays usable (it once decayed towards 0 / 0)
+    ones = Acceptance.prior("diverged")
+    for _ in range(5000):
+        ones.record(1, 1)
+    assert ones.later_tries == _PRIOR_WEIGHT and ones.length(7, 1.0, 1.0, 0.2)[0] > 1
     # the expected tokens it adds: the chances that drafts 1..d are all right, summed
     gain = Acceptance(1.0, 2.0, 3.0, 4.0).length(2, 1.0, 1.0, 0.0)
     assert gain == (2, 0.5 + 0.5 * 0.75)

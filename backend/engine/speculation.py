@@ -95,9 +95,11 @@ class Acceptance:
     def record(self, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens of which the first `accepted` were right."""
         self.record_first(accepted > 0)
-        if accepted:
-            # token i > 1 is put to the test only when token i - 1 was accepted
-            self.later_tries = self.later_tries * _DECAY + min(accepted, drafted - 1)
+        # token i > 1 is put to the test only when token i - 1 was accepted; the record decays
+        # only when it learns something (so later_tries stays >= 1 once anything was tried)
+        tried = min(accepted, drafted - 1)
+        if tried:
+            self.later_tries = self.later_tries * _DECAY + tried
             self.later_hits = self.later_hits * _DECAY + accepted - 1
 
     def length(self, limit: int, tokens: float, cost: float, row_cost: float
