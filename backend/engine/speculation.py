@@ -62,7 +62,9 @@ from backend.engine.sequence import Sequence
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
 CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carry drafts
 CPU_ROW_COST = 0.2  # a verify row's cost in one-row steps on CPU (module docstring)
-GPU_ROW_COST = 0.02  # on a GPU a decode step's few extra rows are nearly free
+# a GPU decode step stays bound by its weight read for a few rows (not measured: no GPU has
+# been lent to this project yet)
+GPU_ROW_COST = 0.02
 _DECAY = 0.8  # how much of a source's record an older verification keeps, per new one
 _PRIOR_WEIGHT = 2.0  # a new sequence's record: this many verifications at the priors' rates
 # Before any evidence, each source's first-token and later-token acceptance: a whole-suffix
