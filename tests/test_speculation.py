@@ -72,12 +72,12 @@ def test_draft_length_weighs_the_sources_record_against_the_cost_of_a_row():
         rec.record_first(True)  # its would-be first tokens right again (shadows): drafts again
     assert rec.length(7, 1.0, 1.0, 0.2)[0] > 0
     # rows that cost nothing: every row that might be accepted; rows as dear as a step: none
-    assert Acceptance.prior("short").length(7, 1.0, 1.0, 0.0)[0] == 7
+    assert Acceptance.prior("short2").length(7, 1.0, 1.0, 0.0)[0] == 7
     assert Acceptance.prior("suffix").length(7, 1.0, 1.0, 1.0)[0] == 0
     # beside other sequences a draft is weighed against the whole step's tokens per cost: the
     # same record drafts less next to three others (4 tokens for 1.6 steps already)
-    busy = Acceptance.prior("short").length(7, 4.0, 1.6, 0.2)[0]
-    assert busy < Acceptance.prior("short").length(7, 1.0, 1.0, 0.2)[0]
+    busy = Acceptance.prior("short2").length(7, 4.0, 1.6, 0.2)[0]
+    assert busy < Acceptance.prior("short2").length(7, 1.0, 1.0, 0.2)[0]
     # one-token drafts, accepted, however many: nothing to learn about later tokens, and the
     # record stays usable (it once decayed towards 0 / 0)
     ones = Acceptance.prior("diverged")
@@ -139,7 +139,7 @@ def test_a_copy_goes_on_past_a_substituted_token():
     seq = _running([1, 2, 20, 21, 22, 23, 24, 25, 26, 3, 20, 21])
     # [3, 20, 21] is new; [20, 21] occurred: a short suffix's draft, [22, 23] (its prior)
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [22, 23] and seq.spec.source == "short"
+    assert seq.draft_token_ids == [22, 23] and seq.spec.source == "short2"
     assert _decode(spec, seq, [90, 23, 24]) == 0
     assert seq.token_ids[-3:] == [20, 21, 90]
     # [20, 21, 90] never occurred: the copy goes on after the 22 the model replaced, before
@@ -153,18 +153,45 @@ def test_a_copy_goes_on_past_a_substituted_token():
     assert seq.draft_token_ids == [25, 26, 3, 20] and seq.spec.source == "follow"
 
 
+def test_a_parted_copy_yields_to_shorter_suffixes_after_one_step():
+    """Right after the output parts from its copy, the copy drafts once more (one token may
+    be new); after that a shorter suffix comes first (a parted copy is seldom right again),
+    and the parted copy only where no suffix occurred before."""
+    spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
+    seq = _running([1, 2, 20, 21, 22, 23, 24, 25, 26, 7, 8, 9, 3, 20, 21, 22])
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.spec.source == "suffix" and seq.draft_token_ids[0] == 23
+    seq.draft_token_ids = []
+    assert _decode(spec, seq, [50]) == 0  # the model parts from the copy: 50, not 23
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.spec.source == "diverged" and seq.draft_token_ids == [24]
+    seq.draft_token_ids = []
+    assert _decode(spec, seq, [7]) == 0  # still parted; [7] occurred before (then 8)
+    spec.propose([seq], waiting=0, max_num_seqs=8)
+    assert seq.spec.source == "short1" and seq.draft_token_ids == [8]
+    seq.draft_token_ids = []
+    parted = _running([1, 2, 20, 21, 22, 23, 24, 25, 26, 3, 20, 21, 22])
+    spec.propose([parted], waiting=0, max_num_seqs=8)
+    parted.draft_token_ids = []
+    _decode(spec, parted, [50])  # parted: 50 for 23
+    _decode(spec, parted, [51])  # the one step after parting: 51 for 24
+    spec.propose([parted], waiting=0, max_num_seqs=8)  # no suffix of [.., 50, 51] occurred
+    assert parted.spec.source == "diverged" and parted.spec.start == 7  # the copy, at 25
+
+
 def test_shorter_ngrams_when_the_whole_suffix_never_occurred():
     spec = NgramSpeculator(max_draft=4, match=3, max_rows=8)
     seq = _running(list(range(10)) + [8, 3, 4])  # [8, 3, 4] is new, [3, 4] occurred before
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids[0] == 5 and seq.spec.source == "short"
+    assert seq.draft_token_ids[0] == 5 and seq.spec.source == "short2"
     single = _running([1, 2, 3, 9, 9, 7, 1])  # only the last token occurred before
     spec.propose([single], waiting=0, max_num_seqs=8)
-    assert single.draft_token_ids[0] == 2 and single.spec.source == "short"
-    assert single.draft_token_ids == [2, 3] and _decode(spec, single, [2, 3, 9]) == 2
+    # a 1-token suffix is right less often than a longer one: its prior asks for one token
+    assert single.draft_token_ids == [2] and single.spec.source == "short1"
+    assert _decode(spec, single, [2, 3]) == 1
     spec.propose([single], waiting=0, max_num_seqs=8)
-    assert single.spec.source == "suffix"  # [2, 3, 9] is a whole-suffix match now
-    assert single.draft_token_ids[:2] == [9, 7]
+    assert single.spec.source == "suffix"  # [1, 2, 3] is a whole-suffix match now
+    assert single.draft_token_ids[:2] == [9, 9]
     fresh = _running([1, 2, 3])
     spec.propose([fresh], waiting=0, max_num_seqs=8)
     assert fresh.draft_token_ids == [] and fresh.spec.shadow is None  # nothing occurred before
