@@ -155,6 +155,23 @@ def _cmd_bench_speculation(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_speculation")
 
 
+def _cmd_bench_spec_replay(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("spec-replay", help="speculation's draft policy replayed over recorded "
+                                             "greedy outputs, steps weighed by their rows' cost")
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--k", type=int, default=7, help="speculative_ngram (default 7)")
+    p.add_argument("--match", type=int, default=4, help="speculative_ngram_match (default 4)")
+    p.add_argument("--prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
+    p.add_argument("--max-tokens", type=int, default=192, help="output tokens at most (default 192)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the grounded prompts")
+    p.add_argument("--row-costs", default=None,
+                   help="comma list: a step of 1, 2, ... rows in one-row steps "
+                        "(default speculation.py's CPU_STEP_COST)")
+    p.add_argument("--out", default=None, help="JSON path: outputs and results (default: none)")
+    p.set_defaults(runner="client.spec_replay")
+
+
 def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("decode", help="batch-1 decode latency by threading mode (worker team "
                                         "vs OpenMP wait policies), quiet and with a core busy")
@@ -195,7 +212,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
                              metavar="{offline,tp,coldstart,clients,prefix,structured,decode,"
-                                     "speculation}")
+                                     "speculation,spec-replay}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
@@ -204,6 +221,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     _cmd_bench_structured(bench)
     _cmd_bench_decode(bench)
     _cmd_bench_speculation(bench)
+    _cmd_bench_spec_replay(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

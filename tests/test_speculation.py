@@ -10,7 +10,10 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.engine.ngram import NgramIndex
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import _PRIOR_WEIGHT, Acceptance, NgramSpeculator
+from backend.engine.speculation import (_PRIOR_WEIGHT, CPU_STEP_COST, GPU_STEP_COST, Acceptance,
+                                        NgramSpeculator, StepCost)
+
+FLAT = StepCost(per_row=0.2)  # a verify row costs 0.2 of a one-row step, however many
 
 
 def test_ngram_index_finds_the_most_recent_earlier_occurrence():
@@ -59,34 +62,49 @@ def test_propose_limits():
 
 def test_draft_length_weighs_the_sources_record_against_the_cost_of_a_row():
     rec = Acceptance.prior("suffix")
-    alone = rec.length(7, 1.0, 1.0, 0.2)[0]
+    alone = rec.length(7, 1.0, 1, FLAT)[0]
     assert 3 <= alone < 7  # a fair record: not every row it may have
     for _ in range(6):
         rec.record(7, 7)  # every token right, again and again: every row
-    assert rec.length(7, 1.0, 1.0, 0.2)[0] == 7
-    assert rec.length(3, 1.0, 1.0, 0.2)[0] == 3  # within the limit
-    for _ in range(10):
+    assert rec.length(7, 1.0, 1, FLAT)[0] == 7
+    assert rec.length(3, 1.0, 1, FLAT)[0] == 3  # within the limit
+    for _ in range(25):
         rec.record(7, 0)  # the first token wrong every time: no draft at all
-    assert rec.length(7, 1.0, 1.0, 0.2) == (0, 0.0)
+    assert rec.length(7, 1.0, 1, FLAT) == (0, 0.0)
     for _ in range(5):
         rec.record_first(True)  # its would-be first tokens right again (shadows): drafts again
-    assert rec.length(7, 1.0, 1.0, 0.2)[0] > 0
+    assert rec.length(7, 1.0, 1, FLAT)[0] > 0
     # rows that cost nothing: every row that might be accepted; rows as dear as a step: none
-    assert Acceptance.prior("short2").length(7, 1.0, 1.0, 0.0)[0] == 7
-    assert Acceptance.prior("suffix").length(7, 1.0, 1.0, 1.0)[0] == 0
+    assert Acceptance.prior("short2").length(7, 1.0, 1, StepCost(per_row=0.0))[0] == 7
+    assert Acceptance.prior("suffix").length(7, 1.0, 1, StepCost(per_row=1.0))[0] == 0
     # beside other sequences a draft is weighed against the whole step's tokens per cost: the
     # same record drafts less next to three others (4 tokens for 1.6 steps already)
-    busy = Acceptance.prior("short2").length(7, 4.0, 1.6, 0.2)[0]
-    assert busy < Acceptance.prior("short2").length(7, 1.0, 1.0, 0.2)[0]
+    busy = Acceptance.prior("short2").length(7, 4.0, 4, FLAT)[0]
+    assert busy < Acceptance.prior("short2").length(7, 1.0, 1, FLAT)[0]
     # one-token drafts, accepted, however many: nothing to learn about later tokens, and the
     # record stays usable (it once decayed towards 0 / 0)
     ones = Acceptance.prior("diverged")
     for _ in range(5000):
         ones.record(1, 1)
-    assert ones.later_tries == _PRIOR_WEIGHT and ones.length(7, 1.0, 1.0, 0.2)[0] > 1
+    assert ones.later_tries == _PRIOR_WEIGHT and ones.length(7, 1.0, 1, FLAT)[0] > 1
     # the expected tokens it adds: the chances that drafts 1..d are all right, summed
-    gain = Acceptance(1.0, 2.0, 3.0, 4.0).length(2, 1.0, 1.0, 0.0)
+    gain = Acceptance(1.0, 2.0, 3.0, 4.0).length(2, 1.0, 1, StepCost(per_row=0.0))
     assert gain == (2, 0.5 + 0.5 * 0.75)
+
+
+def test_step_cost_by_rows():
+    """A step's cost in one-row steps: the measured table, then its last increment per row;
+    CPU's first verify rows are cheap (still under the weight read), so a draft the flat 0.2
+    a row would skip can pay there."""
+    cost = StepCost((1.0, 1.1, 1.3))
+    assert [cost(r) for r in (1, 2, 3)] == [1.0, 1.1, 1.3]
+    assert cost(5) == pytest.approx(1.7)  # 1.3 + 2 x 0.2
+    assert GPU_STEP_COST(1) == 1.0 and GPU_STEP_COST(3) == pytest.approx(1.04)
+    assert StepCost((1.0,), per_row=0.5)(3) == 2.0
+    assert CPU_STEP_COST(1) == 1.0 and CPU_STEP_COST(2) < FLAT(2)
+    assert all(CPU_STEP_COST(r) < CPU_STEP_COST(r + 1) for r in range(1, 12))
+    shaky = Acceptance(0.13, 1.0, 0.0, 1.0)  # first token right 13% of the time, never more
+    assert shaky.length(7, 1.0, 1, FLAT)[0] == 0 and shaky.length(7, 1.0, 1, CPU_STEP_COST)[0] == 1
 
 
 def test_a_source_that_keeps_missing_stops_drafting_until_its_shadow_hits():
@@ -199,7 +217,7 @@ def test_shorter_ngrams_when_the_whole_suffix_never_occurred():
 
 def test_rows_that_cost_nothing_draft_every_token_a_copy_has():
     # a GPU-like cost (rows nearly free): a followed copy drafts max_draft
-    spec = NgramSpeculator(max_draft=7, match=3, max_rows=64, row_cost=0.0)
+    spec = NgramSpeculator(max_draft=7, match=3, max_rows=64, cost=StepCost(per_row=0.0))
     source = list(range(20, 40))
     seq = _running([1] + source + [2, 20, 21])  # [2, 20, 21] is new, [20, 21] occurred
     spec.propose([seq], waiting=0, max_num_seqs=8)

@@ -24,7 +24,7 @@ from backend.engine.request_check import PreparedRequest, prepare_request
 from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.speculation import (CPU_ROW_COST, CPU_VERIFY_ROWS, GPU_ROW_COST,
+from backend.engine.speculation import (CPU_STEP_COST, CPU_VERIFY_ROWS, GPU_STEP_COST,
                                          NgramSpeculator)
 from backend.engine.sequence import Sequence, Status
 from backend.engine.step_inputs import StepInputs, build_step_inputs
@@ -113,7 +113,7 @@ class LLMEngine:
         self.speculator = NgramSpeculator(
             config.speculative_ngram, config.speculative_ngram_match,
             min(self.plan.decode_sizes[-1], CPU_VERIFY_ROWS if on_cpu else 1 << 30),
-            CPU_ROW_COST if on_cpu else GPU_ROW_COST
+            CPU_STEP_COST if on_cpu else GPU_STEP_COST
         ) if config.speculative_ngram else None
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0

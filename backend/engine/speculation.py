@@ -36,13 +36,15 @@ so each draft's fate is known; each step weighted by the measured cost of its ro
 How long (Acceptance.length): each sequence keeps, per source, a recent record of how often
 its drafts' first token was right and how often a later token was, given the one before it
 was; the draft length d (0 to k) is the one with the most expected tokens per unit of step
-cost, a step of r rows costing 1 + row_cost * (r - 1) one-row steps. Why a cost model: a
-verify row is not free where a step's multiply-adds are no longer hidden under the weight
-read. On CPU (row_cost 0.2), SmolLM2 float32 at ~1000 tokens of context, steps of r rows cost
-1.09-1.10 (r 2), 1.46-1.48 (4), 1.78-1.83 (6) and 2.30-2.34 (8) one-row steps (7.0-7.6 ms;
-AMD EPYC Zen 5, AVX-512, 2 threads, exact Q4 block copies; the AVX2 path ~0.19 a row): a
-draft of d tokens pays only if it is expected to add more than ~0.2 d tokens, so a source that
-has been wrong lately drafts one token or none, a reliable one up to k. With d 0 the token the
+cost (StepCost: what a step of r rows costs in one-row steps). Why a cost model: a verify row
+is not free where a step's multiply-adds are no longer hidden under the weight read. On CPU,
+SmolLM2 float32 at ~1000 tokens of context, steps of r rows cost 1.09-1.10 (r 2), 1.46-1.48
+(4), 1.78-1.83 (6) and 2.30-2.34 (8) one-row steps (7.0-7.6 ms; AMD EPYC Zen 5, AVX-512, 2
+threads, exact Q4 block copies; the AVX2 path ~0.19 a row): the first rows are cheap (still
+under the weight read), later ones ~0.2-0.25 each, so a source that has been wrong lately
+drafts one token or none, a reliable one up to k. (The table instead of a flat 0.2 a row, and
+records decaying by 0.9 instead of 0.8 a verification: replayed decode speedup 1.665 -> 1.699,
+1.778 -> 1.802, 1.671 -> 1.699 on grounded seeds 0, 7, 1, chat 1.148 -> 1.152.) With d 0 the token the
 draft would have started with is still checked against the one decoded (for free: nothing is
 verified), so a source that becomes right again is drafted from again. This replaced fixed
 rules (one token after a miss, at most 5 from a copy, pauses of 4-64 steps after repeated
@@ -68,11 +70,7 @@ from backend.engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily
 CPU_VERIFY_ROWS = 8  # decode rows (drafts included) of a CPU step that may carry drafts
-CPU_ROW_COST = 0.2  # a verify row's cost in one-row steps on CPU (module docstring)
-# a GPU decode step stays bound by its weight read for a few rows (not measured: no GPU has
-# been lent to this project yet)
-GPU_ROW_COST = 0.02
-_DECAY = 0.8  # how much of a source's record an older verification keeps, per new one
+_DECAY = 0.9  # how much of a source's record an older verification keeps, per new one
 _PRIOR_WEIGHT = 2.0  # a new sequence's record: this many verifications at the priors' rates
 # Before any evidence, each source's first-token and later-token acceptance: a whole-suffix
 # match or a copy still in step is often right; the token right after the output left its
@@ -80,6 +78,29 @@ _PRIOR_WEIGHT = 2.0  # a new sequence's record: this many verifications at the p
 # shorter the less (first tokens of 3-, 2- and 1-token suffixes there: 63%, 34%, 33%).
 _PRIORS = {"suffix": (0.7, 0.85), "follow": (0.7, 0.85), "diverged": (0.25, 0.8),
            "short3": (0.65, 0.8), "short2": (0.4, 0.7), "short1": (0.35, 0.6)}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a decode step of r rows costs, in one-row steps: table[r - 1] as measured; past the
+    table, its last increment per further row (no table: 1 + per_row * (r - 1))."""
+    table: tuple[float, ...] = ()
+    per_row: float = 0.0
+
+    def __call__(self, rows: int) -> float:
+        t = self.table
+        if rows <= len(t):
+            return t[rows - 1]
+        if len(t) < 2:
+            return (t[-1] if t else 1.0) + self.per_row * (rows - max(1, len(t)))
+        return t[-1] + (t[-1] - t[-2]) * (rows - len(t))
+
+
+# CPU: the module doc's measurements at 2, 4, 6 and 8 rows, 3, 5 and 7 in between
+CPU_STEP_COST = StepCost((1.0, 1.095, 1.28, 1.47, 1.63, 1.80, 2.05, 2.32))
+# a GPU decode step stays bound by its weight read for a few rows (not measured: no GPU has
+# been lent to this project yet)
+GPU_STEP_COST = StepCost(per_row=0.02)
 
 
 @dataclass
@@ -112,18 +133,18 @@ class Acceptance:
             self.later_tries = self.later_tries * _DECAY + tried
             self.later_hits = self.later_hits * _DECAY + accepted - 1
 
-    def length(self, limit: int, tokens: float, cost: float, row_cost: float
+    def length(self, limit: int, tokens: float, rows: int, cost: StepCost
                ) -> tuple[int, float]:
         """The draft length in [0, limit] that gives the step (so far `tokens` expected tokens
-        at `cost` one-row steps) the most tokens per cost, and the tokens it adds."""
+        in `rows` rows) the most tokens per cost, and the tokens it adds."""
         first = self.first_hits / self.first_tries
         later = self.later_hits / self.later_tries
-        best, best_rate, best_gain = 0, tokens / cost, 0.0
+        best, best_rate, best_gain = 0, tokens / cost(rows), 0.0
         gain, p = 0.0, first  # p: the chance that drafts 1..d are all accepted
         for d in range(1, limit + 1):
             gain += p
             p *= later
-            rate = (tokens + gain) / (cost + row_cost * d)
+            rate = (tokens + gain) / cost(rows + d)
             if rate > best_rate:
                 best, best_rate, best_gain = d, rate, gain
         return best, best_gain
@@ -212,7 +233,7 @@ class NgramSpeculator:
     max_draft: int  # speculative_ngram
     match: int  # speculative_ngram_match
     max_rows: int  # decode rows (drafts included) a step may have
-    row_cost: float = CPU_ROW_COST  # a verify row's cost in one-row steps
+    cost: StepCost = CPU_STEP_COST  # a step's cost by its rows
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -229,7 +250,7 @@ class NgramSpeculator:
         # rows left: the step's decode rows, and every sampled row, stay within their limits
         room = min(self.max_rows - len(decoding), max_num_seqs - len(running))
         # the step so far: a token per sequence, for one row each
-        tokens, cost = float(len(decoding)), 1.0 + self.row_cost * (len(decoding) - 1)
+        tokens, rows = float(len(decoding)), len(decoding)
         for seq in decoding:
             if room <= 0:
                 break
@@ -246,14 +267,14 @@ class NgramSpeculator:
             if found is None:
                 continue
             st.source, draft = found
-            d, gain = st.records[st.source].length(len(draft), tokens, cost, self.row_cost)
+            d, gain = st.records[st.source].length(len(draft), tokens, rows, self.cost)
             if d == 0:
                 st.shadow = draft[0]  # checked against the decoded token (observe)
                 continue
             seq.draft_token_ids = draft[:d]
             room -= d
             tokens += gain
-            cost += self.row_cost * d
+            rows += d
 
     @staticmethod
     def observe(seq: Sequence, token: int) -> None:

@@ -1,0 +1,118 @@
+"""Replays the speculative-decoding draft policy over fixed greedy outputs, without the model:
+`python -m client bench spec-replay`.
+
+Greedy tokens are the same with speculation on or off, so once a workload's outputs are known,
+every draft's fate is known too: a draft is accepted up to the first token that differs from
+the output. This module decodes bench speculation's workloads once (speculation off, one
+batch each), then drives `NgramSpeculator` step by step over those outputs as the engine would
+(propose, then accept or observe) and weighs each step by the cost of its rows in one-row
+steps (`--row-costs`; by default speculation.py's CPU_STEP_COST, the table the speculator's
+own cost model uses). The ratio of plain steps to that weighted sum is the decode speedup the
+policy would give if steps cost what the table says: prefill, sampling and the VM's drift
+(5-25% between runs here) left out. Use it to compare draft policies (sources, priors, decay)
+on thousands of steps in seconds, then confirm a winner with `bench speculation`, which
+measures the real thing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.engine.speculation import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, StepCost
+
+@dataclass
+class Replay:
+    tokens: int = 0  # output tokens: the plain decode's steps
+    cost: float = 0.0  # the speculating decode's steps, each weighed by its rows
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens / self.cost if self.cost else 0.0
+
+    def add(self, other: Replay) -> None:
+        self.tokens += other.tokens
+        self.cost += other.cost
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+
+def replay_one(spec: NgramSpeculator, prompt: list[int], output: list[int], max_tokens: int,
+               cost: StepCost = CPU_STEP_COST) -> Replay:
+    """One request: the first output token comes from the prompt's prefill (no drafts), each
+    later step from propose + accept/observe, as LLMEngine runs them."""
+    seq = Sequence("replay", list(prompt) + output[:1], len(prompt),
+                   SamplingParams(temperature=0.0, max_tokens=max_tokens), 0)
+    out = Replay(tokens=len(output) - 1)
+    i = 1
+    while i < len(output):
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # decoding: the last token is new
+        spec.propose([seq], waiting=0, max_num_seqs=CPU_VERIFY_ROWS)
+        draft = seq.draft_token_ids
+        out.steps += 1
+        out.cost += cost(1 + len(draft))
+        if not draft:
+            spec.observe(seq, output[i])
+            seq.token_ids.append(output[i])
+            i += 1
+            continue
+        # row j's token is the model's after the first j drafts: output[i + j] while they agree
+        sampled = [output[i + j] if i + j < len(output) else -1 for j in range(len(draft) + 1)]
+        accepted = spec.accept(seq, sampled)
+        out.drafted += len(draft)
+        out.accepted += accepted
+        seq.draft_token_ids = []
+        n = min(accepted + 1, len(output) - i)
+        seq.token_ids.extend(output[i:i + n])
+        i += n
+    return out
+
+
+def replay(make: Callable[[], NgramSpeculator], work: list[tuple[list[int], list[int]]],
+           max_tokens: int, cost: StepCost = CPU_STEP_COST) -> Replay:
+    total = Replay()
+    for prompt, output in work:
+        total.add(replay_one(make(), prompt, output, max_tokens, cost))
+    return total
+
+
+def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt token ids, greedy output token ids) of each prompt, speculation off."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [(llm.tokenizer.encode(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
+
+
+def main(args: argparse.Namespace) -> None:
+    from backend import LLM
+    from client.bench_speculation import _chat, chat_prompts, grounded_prompts
+    cost = StepCost(tuple(float(c) for c in args.row_costs.split(","))) if args.row_costs \
+        else CPU_STEP_COST
+    llm = LLM(model=args.model, num_threads=args.threads)
+    tok = llm.tokenizer
+    workloads = {"(a) grounded": [_chat(tok, p) for p, _ in grounded_prompts(args.prompts,
+                                                                             args.seed)],
+                 "(b) chat": [_chat(tok, p) for p, _ in chat_prompts(args.prompts)]}
+    t0 = time.perf_counter()
+    recorded = {name: record(llm, ps, args.max_tokens) for name, ps in workloads.items()}
+    print(f"recorded {sum(len(o) for w in recorded.values() for _, o in w)} output tokens in "
+          f"{time.perf_counter() - t0:.0f} s; step costs by rows {cost.table}")
+    make = lambda: NgramSpeculator(args.k, args.match, CPU_VERIFY_ROWS, cost)  # noqa: E731
+    result = {}
+    for name, work in recorded.items():
+        r = replay(make, work, args.max_tokens, cost)
+        result[name] = {"speedup": r.speedup, "steps": r.steps, "plain_steps": r.tokens,
+                        "drafted": r.drafted, "accepted": r.accepted}
+        print(f"{name}: modeled decode speedup {r.speedup:.3f}x, {r.steps} steps for "
+              f"{r.tokens} tokens, {r.accepted}/{r.drafted} drafts accepted")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"k": args.k, "match": args.match, "seed": args.seed,
+                       "step_costs": cost.table, "recorded": recorded, "result": result}, f)

@@ -1,0 +1,58 @@
+"""client/spec_replay.py: replaying the draft policy over recorded greedy outputs takes the
+engine's own steps (the same drafts, the same accepted tokens), so its modeled speedups speak
+for the engine."""
+from __future__ import annotations
+
+import pytest
+
+from backend import LLM, SamplingParams
+from backend.engine.speculation import NgramSpeculator, StepCost
+from client.spec_replay import replay, replay_one
+from tests.test_speculation import OracleDrafts, _ids
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    # as in test_speculation: drafts from the reference outputs, some wrong on purpose, so
+    # every verification path (all, some, none accepted) is taken on a random model
+    monkeypatch.setattr("backend.engine.speculation.NgramIndex", OracleDrafts)
+    OracleDrafts.expected = []
+    return OracleDrafts
+
+
+def test_replay_takes_the_engines_steps(tiny_text_model, oracle):
+    kw = dict(model=str(tiny_text_model), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=256)
+    off = LLM(**kw, warmup=False)
+    on = LLM(**kw, speculative_ngram=4, speculative_ngram_match=2, warmup=False)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        prompts = [_ids(n, seed) for n, seed in ((12, 1), (20, 2), (7, 3))]
+        outputs = [o.token_ids for o in off.generate(prompts, sp)]
+        oracle.expected = [p + o for p, o in zip(prompts, outputs)]
+        for prompt, output in zip(prompts, outputs):
+            before = dict(on.stats)
+            got = on.generate([prompt], sp)[0].token_ids
+            assert got == output
+            steps = on.stats["steps"] - before["steps"]
+            drafted = on.stats["spec_draft_tokens"] - before["spec_draft_tokens"]
+            accepted = on.stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            r = replay_one(NgramSpeculator(4, 2, 8), prompt, output, sp.max_tokens)
+            assert accepted > 0 and drafted > accepted  # both paths taken
+            assert (r.drafted, r.accepted) == (drafted, accepted)
+            assert r.steps + 1 == steps  # + the prefill step, which drafts nothing
+            assert r.tokens == len(output) - 1
+    finally:
+        on.close(), off.close()
+
+
+def test_replay_weighs_steps_by_their_rows():
+    """The output copies the prompt; rows cost nothing to the speculator, so it drafts all 7
+    it may: one plain step (the first token after the prefill's occurred nowhere before), then
+    five steps of 7 drafts, all accepted, each costing the 8-row entry of the table."""
+    prompt = list(range(100, 140))
+    output = [1] + prompt
+    costs = StepCost((1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 2.0))
+    r = replay(lambda: NgramSpeculator(7, 2, 8, cost=StepCost(per_row=0.0)), [(prompt, output)], 64, costs)
+    assert (r.tokens, r.steps, r.drafted, r.accepted) == (40, 6, 35, 35)
+    assert r.cost == 1.0 + 5 * 2.0 and r.speedup == 40 / 11.0
