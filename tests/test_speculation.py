@@ -40,7 +40,8 @@ def _running(ids: list[int], temperature: float = 0.0, max_tokens: int = 100) ->
 
 
 def test_propose_limits():
-    spec = NgramSpeculator(max_draft=4, match=2, max_rows=8)
+    free = StepCost(per_row=0.0)  # rows cost nothing: every draft as long as the limits allow
+    spec = NgramSpeculator(max_draft=4, match=2, max_rows=8, cost=free)
     ids = list(range(10)) + [3, 4]
     greedy, sampled = _running(ids), _running(ids, temperature=0.7)
     spec.propose([greedy, sampled], waiting=0, max_num_seqs=8)
@@ -54,7 +55,7 @@ def test_propose_limits():
     short.num_prompt_tokens = len(ids) - 1
     spec.propose([short], waiting=0, max_num_seqs=8)
     assert short.draft_token_ids == [5]
-    full = NgramSpeculator(max_draft=4, match=2, max_rows=3)  # the step's rows, drafts included
+    full = NgramSpeculator(max_draft=4, match=2, max_rows=3, cost=free)  # rows, drafts included
     spec_rows = _running(ids)
     full.propose([spec_rows], waiting=0, max_num_seqs=8)
     assert spec_rows.draft_token_ids == [5, 6]
@@ -111,7 +112,7 @@ def test_a_source_that_keeps_missing_stops_drafting_until_its_shadow_hits():
     spec = NgramSpeculator(max_draft=4, match=2, max_rows=8)
     ids = list(range(10)) + [3, 4]
     seq = _running(ids)
-    for _ in range(10):  # the suffix match [3, 4] -> 5... is wrong every time
+    for _ in range(40):  # the suffix match [3, 4] -> 5... is wrong every time
         spec.propose([seq], waiting=0, max_num_seqs=8)
         if not seq.draft_token_ids:
             break
@@ -166,9 +167,10 @@ def test_a_copy_goes_on_past_a_substituted_token():
     assert seq.draft_token_ids == [23] and seq.spec.source == "diverged"
     seq.draft_token_ids = []
     assert _decode(spec, seq, [23, 24]) == 1
-    # back in step with the copy ([90, 23, 24] occurred nowhere): k tokens of it
+    # back in step with the copy ([90, 23, 24] occurred nowhere): as many tokens of it as a
+    # followed copy's prior asks for (3 of the 4 allowed)
     spec.propose([seq], waiting=0, max_num_seqs=8)
-    assert seq.draft_token_ids == [25, 26, 3, 20] and seq.spec.source == "follow"
+    assert seq.draft_token_ids == [25, 26, 3] and seq.spec.source == "follow"
 
 
 def test_a_parted_copy_yields_to_shorter_suffixes_after_one_step():
