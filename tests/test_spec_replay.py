@@ -53,6 +53,7 @@ def test_replay_weighs_steps_by_their_rows():
     prompt = list(range(100, 140))
     output = [1] + prompt
     costs = StepCost((1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 2.0))
-    r = replay(lambda: NgramSpeculator(7, 2, 8, cost=StepCost(per_row=0.0)), [(prompt, output)], 64, costs)
+    free = StepCost(per_row=0.0)  # the speculator's own cost model: rows cost nothing
+    r = replay(lambda: NgramSpeculator(7, 2, 8, cost=free), [(prompt, output)], 64, costs)
     assert (r.tokens, r.steps, r.drafted, r.accepted) == (40, 6, 35, 35)
     assert r.cost == 1.0 + 5 * 2.0 and r.speedup == 40 / 11.0

@@ -43,16 +43,18 @@ SmolLM2 float32 at ~1000 tokens of context, steps of r rows cost 1.09-1.10 (r 2)
 threads, exact Q4 block copies; the AVX2 path ~0.19 a row): the first rows are cheap (still
 under the weight read), later ones ~0.2-0.25 each, so a source that has been wrong lately
 drafts one token or none, a reliable one up to k. (The table instead of a flat 0.2 a row, and
-records decaying by 0.9 instead of 0.8 a verification: replayed decode speedup 1.665 -> 1.699,
-1.778 -> 1.802, 1.671 -> 1.699 on grounded seeds 0, 7, 1, chat 1.148 -> 1.152.) With d 0 the token the
-draft would have started with is still checked against the one decoded (for free: nothing is
-verified), so a source that becomes right again is drafted from again. This replaced fixed
+records decaying by 0.9 instead of 0.8 a verification: replayed decode speedup 1.665 ->
+1.699, 1.778 -> 1.802, 1.671 -> 1.699 on grounded seeds 0, 7, 1, chat 1.148 -> 1.152.) With
+d 0 the token the draft would have started with is still checked against the one decoded
+(for free: nothing is verified), so a source that becomes right again is drafted from again.
+This replaced fixed
 rules (one token after a miss, at most 5 from a copy, pauses of 4-64 steps after repeated
 misses): over bench speculation's prompts, one engine switching between them per prompt (so
 prompts mostly prefix-cached), the fixed rules drafted 1804 tokens for 604 accepted on free-form
 chat where this drafts 1241 for 610 (chat 1.12x vs 1.15x, grounded 1.62x vs 1.69x; the VM drifts
 ~5% between such runs); `bench speculation` itself went from 1.48x / 0.99x / 1.00x to 1.50x /
-1.10x / 0.99x. Drafts are only proposed
+1.10x / 0.99x, and with the source order, step costs and priors above (2026-12-04, two runs)
+to 1.62x / 1.13x / 1.02x and 1.60x / 1.15x / 1.01x. Drafts are only proposed
 while every running sequence is decoding and nothing waits for admission (prompts go first,
 and a verify step stays a decode-only step: the fused decode kernels), and only while the
 step's rows stay within `max_rows` (on CPU 8: big batches are compute-bound and gain nothing);
@@ -166,7 +168,7 @@ class SpecState:
     start: int | None = None  # where this step's candidate was copied from
     source: str | None = None  # this step's candidate's source
     shadow: int | None = None  # no draft this step: the token the candidate started with
-    parted: int = 0  # steps the followed copy has been out of step with the output
+    parted: bool = False  # the followed copy and the output parted and have not met again
 
     def candidate(self, token_ids: list[int], limit: int) -> tuple[str, list[int]] | None:
         """Up to `limit` tokens (limit >= 1) of the best-evidence draft, and its source (module
@@ -178,13 +180,13 @@ class SpecState:
         self.start = None
         longest, *shorter = self.indices
         if draft := longest.propose(token_ids, limit):
-            self.start, self.parted = longest.last_start, 0
+            self.start, self.parted = longest.last_start, False
             return "suffix", draft
         f = self.follow if self.follow is not None and self.follow < len(token_ids) else None
         if f is not None:
             in_step = f > 0 and token_ids[f - 1] == token_ids[-1]
             if in_step or not self.parted:
-                self.parted = 0 if in_step else 1
+                self.parted = not in_step
                 self.start = f
                 return ("follow" if in_step else "diverged"), copy_from(token_ids, f, limit)
         for index in shorter:
