@@ -97,7 +97,7 @@ def test_paged_decode_attention_verify_rows_read_the_context_once(hq, hkv, d, dt
         assert torch.equal(got[i:i + 1], alone), i
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, cpu_ops.SMALL_M])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False),
                                         (64, 1024, False)])
 def test_small_m_linear(m, k, n, bias):

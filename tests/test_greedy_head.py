@@ -10,7 +10,7 @@ from tpllm_kernels import reference as ref
 from tests.required import no_cpu_kernels
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 9, 64])
+@pytest.mark.parametrize("m", [1, 2, 5, 9, cpu_ops.SMALL_M])  # up to the most rows it takes
 @pytest.mark.parametrize("k, n, kind", [(576, 4099, "q8"), (576, 4099, "bf16"), (96, 257, "q8"),
                                         (100, 257, "bf16"), (48, 33, "bf16"), (32, 33, "q8")])
 def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):

@@ -23,12 +23,16 @@ from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
 
 _ext = load()
 
-# Up to this many rows a linear streams its weight once in C++ (small_m_gemm.h); more: MKL's
-# GEMM. SmolLM2 float32 steps of 40-64 tokens, 2 threads, AMD EPYC Zen 4, min of 3 warmups each,
-# 2 processes per setting: 84-118 ms at 64 against 111-147 at 32 (MKL from 33 rows); forced to
-# the avx2 variant with MKL/oneDNN capped at AVX2: 99-136 against 119-153. From 96 on MKL is as
-# fast or faster (128 rows: 199-203 ms against 206-264).
-SMALL_M = 64
+# Up to this many rows a float32 linear streams its weight once in C++ (small_m_gemm.h); more:
+# GEMM_LIBRARY's GEMM, from the packed copy the engine keeps for its full decode batch (which
+# serves prefill chunks too). SmolLM2's 120 layer linears, 2 threads, weights from DRAM, AMD EPYC
+# Zen 4, 2026-12-04 (C++ with block copies vs oneDNN from a packed copy): 32 rows 48.4 vs 45.8
+# ms, 48 rows 69.2 vs 65.9, 64 rows 104.6 vs 84.4; capped at AVX2 (C++ avx2, oneDNN AVX2) 48
+# rows 79.9 vs 90.1, 64 rows 108.2 vs 95.0. In the engine (64 x 256 in / 128 out, the decode
+# steps of `bench offline`'s (b)), C++ vs oneDNN: 48 rows 138 vs 155 ms a step, 56 rows 173
+# vs 143, 64 rows 195 vs 162. (With MKL, the library until 2026-12-03, the C++ GEMV was
+# faster up to 64 rows: 84-118 ms a 64-row step against 111-147 at 32 from MKL; MKL, still the
+# library on an Intel CPU with AVX-512, keeps 64.) Set below GEMM_LIBRARY.
 BF16_SMALL_M = 2  # the same for bf16 (cpu_gemv_bf16.cpp); more: oneDNN
 rotary = _ref.rotary
 write_kv = _ref.write_kv
@@ -92,8 +96,8 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Decode steps: the C++ kernel reads each weight once at ~26 GB/s where MKL reached ~22
     # (2 threads; SmolLM2's 121 GEMVs 19.5 vs 22.6 ms; 1 thread 37.9 vs 40.7; M = 4..32 rows
-    # 0.6-0.9x MKL's time); from 48 rows MKL's GEMM is faster, from a packed copy faster still
-    # (AVX-512 host); beyond SMALL_M rows: GEMM_LIBRARY's GEMM (oneDNN without AVX-512).
+    # 0.6-0.9x MKL's time); beyond SMALL_M rows (top of the file) GEMM_LIBRARY's GEMM is
+    # faster, from the packed copy where the engine keeps one.
     if _small_m_f32(x, weight):
         if (copy := _block_copy(x, weight)) is not None:  # exact (cpu_blocks.py)
             return _block_linear_into(x, copy, bias, x.new_empty(x.shape[0], weight.shape[0]))
@@ -265,6 +269,7 @@ def _mkl_by_default() -> bool:
 
 
 GEMM_LIBRARY = _gemm_library()
+SMALL_M = 48 if GEMM_LIBRARY == "onednn" else 64  # the C++ GEMV's most rows (top of the file)
 
 
 def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:

@@ -34,8 +34,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context (and sliding window)
     # CPU float32: a second, packed copy of every linear weight (in the GEMM library's format:
     # tpllm_kernels.cpu_ops.GEMM_LIBRARY) for the full decode batch (max_num_seqs rows) when it is
-    # above tpllm_kernels.cpu_ops.SMALL_M (64; up to that the C++ linears are faster), whose GEMMs
-    # then run ~27% faster; costs the weights' memory once more
+    # above tpllm_kernels.cpu_ops.SMALL_M (48 with oneDNN, 64 with MKL; up to that the C++
+    # linears are faster): decode batches above it and prefill chunks run their GEMMs from it
+    # (oneDNN, SmolLM2 at 64 rows: 84 vs 94 ms for the layers); costs the weights' memory again
     cpu_packed_gemm: bool = True
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
     enable_prefix_caching: bool = True
