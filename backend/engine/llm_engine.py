@@ -25,8 +25,9 @@ from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.speculation import (CPU_STEP_COST, CPU_VERIFY_ROWS, GPU_STEP_COST,
-                                         NgramSpeculator)
+                                         NgramSpeculator, StepCost)
 from backend.engine.sequence import Sequence, Status
+from backend.engine import step_cost
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
@@ -137,6 +138,7 @@ class LLMEngine:
         if self.config.warmup:
             try:
                 self.stats.warmup_seconds = run_warmup(self)
+                self._measure_step_cost()
             except BaseException:
                 self.close()
                 raise
@@ -144,6 +146,18 @@ class LLMEngine:
         log.info("engine ready in %.1fs (warmup %.1fs, %d buckets, %d CUDA graphs)",
                  time.perf_counter() - self._t_start, self.stats.warmup_seconds,
                  len(self.warm_shapes), self.runner.num_graph_captures)
+
+    def _measure_step_cost(self) -> None:
+        """CPU speculation: this machine's verify-step costs by rows replace the built-in table
+        (step_cost.py; ~0.7 s, warm shapes only). A GPU keeps GPU_STEP_COST (not measured)."""
+        if self.speculator is None or self.device.type != "cpu":
+            return
+        t0 = time.perf_counter()
+        table = step_cost.measure(self.run_model, self.speculator.max_rows, self.kv.num_blocks,
+                                  self.kv.block_size, self.plan)
+        self.speculator.cost = StepCost(table)
+        log.info("speculation: verify steps of 1-%d rows cost %s one-row steps here (%.1fs)",
+                 len(table), ", ".join(f"{c:.2f}" for c in table), time.perf_counter() - t0)
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -101,7 +101,9 @@ class StepCost:
         return t[-1] + (t[-1] - t[-2]) * (rows - len(t))
 
 
-# CPU: the module doc's measurements at 2, 4, 6 and 8 rows, 3, 5 and 7 in between
+# CPU: the module doc's measurements at 2, 4, 6 and 8 rows, 3, 5 and 7 in between (AMD EPYC
+# Zen 5). An engine that warms up replaces it with its own machine's (step_cost.py: on a Zen 4
+# the second row cost 0.16-0.28, not 0.095); this table serves engines without warmup.
 CPU_STEP_COST = StepCost((1.0, 1.095, 1.28, 1.47, 1.63, 1.80, 2.05, 2.32))
 # a GPU decode step stays bound by its weight read for a few rows (not measured: no GPU has
 # been lent to this project yet)

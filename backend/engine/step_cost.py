@@ -1,0 +1,73 @@
+"""What a decode step of r rows costs on this machine, measured at warmup for speculation's policy.
+
+Speculative decoding (speculation.py) weighs each draft token against what its verify row adds
+to the step (StepCost: a step of r rows in one-row steps). That depends on the CPU more than on
+anything else: where a core's multiply-adds are cheap next to its memory bandwidth the first
+rows ride under the weight read, elsewhere each row costs more. One table measured on one CPU
+(an AMD EPYC Zen 5) drafted too long on another (a Zen 4, whose AVX-512 runs on 256-bit units:
+bench speculation's grounded workload 1.54x where the Zen 5 reached 1.60-1.62x). So the engine
+times verify-shaped steps before it reports ready (the shapes are warm by then: this compiles
+nothing) and hands the speculator this machine's table.
+
+A verify step is one sequence's rows over one block table, row i seeing the cache up to its own
+position (step_inputs.build_step_inputs), padded to its decode bucket as the engine pads it.
+Rounds alternate the row counts so the VM's drift lands on all of them; the median of the
+rounds is kept, made non-decreasing (a step never costs less for more rows).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from backend.engine.buckets import BucketPlan
+from backend.engine.kv_manager import SCRATCH_BLOCK
+from backend.engine.step_inputs import StepInputs
+
+CONTEXT = 512  # tokens of context the measured steps attend to (speculation's prompts: 200-700)
+ROUNDS = 9
+
+
+def verify_step(rows: int, context: int, num_blocks: int, block_size: int,
+                plan: BucketPlan | None = None) -> StepInputs:
+    """`rows` verify rows of one sequence of `context` tokens (blocks cycling over the pool,
+    never the scratch block: their contents do not matter here), padded to the decode bucket."""
+    positions = np.arange(context, context + rows, dtype=np.int64)
+    table = 1 + np.arange(-(-(context + rows) // block_size), dtype=np.int64) % (num_blocks - 1)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    pad = (plan.decode_bucket(rows) - rows) if plan is not None else 0
+    tables = np.full((rows + pad, len(table)), SCRATCH_BLOCK, dtype=np.int64)
+    tables[:rows] = table
+    lens = np.ones(rows + pad, dtype=np.int64)
+    lens[:rows] = positions + 1
+    scratch = np.full(pad, SCRATCH_BLOCK * block_size, dtype=np.int64)
+    step = StepInputs(np.zeros(rows + pad, dtype=np.int64),
+                      np.concatenate([positions, np.zeros(pad, dtype=np.int64)]),
+                      np.concatenate([slots, scratch]), np.arange(rows, dtype=np.int64),
+                      decode_block_tables=tables, decode_context_lens=lens)
+    step.argmax_only = True  # greedy rows: the ones that carry drafts
+    return step
+
+
+@torch.inference_mode()
+def measure(run_model, max_rows: int, num_blocks: int, block_size: int,
+            plan: BucketPlan | None = None, context: int = CONTEXT,
+            rounds: int = ROUNDS) -> tuple[float, ...]:
+    """Cost of a verify step of 1..max_rows rows in one-row steps (table[r - 1]), timing
+    `run_model(step)` (the engine's: every TP rank) `rounds` times per row count."""
+    context = max(1, min(context, (num_blocks - 1) * block_size - max_rows))
+    steps = [verify_step(r, context, num_blocks, block_size, plan) for r in range(1, max_rows + 1)]
+    run_model(steps[0])  # the first call after warmup's last bucket pays for cold caches
+    seconds = [[] for _ in steps]
+    for k in range(rounds):
+        order = range(len(steps)) if k % 2 == 0 else reversed(range(len(steps)))
+        for i in order:
+            t0 = time.perf_counter()
+            run_model(steps[i])
+            seconds[i].append(time.perf_counter() - t0)
+    medians = [float(np.median(s)) for s in seconds]
+    table = [1.0]
+    for m in medians[1:]:
+        table.append(max(table[-1], m / medians[0]))
+    return tuple(round(c, 3) for c in table)
