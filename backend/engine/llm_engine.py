@@ -149,12 +149,12 @@ class LLMEngine:
 
     def _measure_step_cost(self) -> None:
         """CPU speculation: this machine's verify-step costs by rows replace the built-in table
-        (step_cost.py; ~0.7 s, warm shapes only). A GPU keeps GPU_STEP_COST (not measured)."""
+        (step_cost.py; ~1 s, warm shapes only). A GPU keeps GPU_STEP_COST (not measured)."""
         if self.speculator is None or self.device.type != "cpu":
             return
         t0 = time.perf_counter()
         table = step_cost.measure(self.run_model, self.speculator.max_rows, self.kv.num_blocks,
-                                  self.kv.block_size, self.plan)
+                                  self.kv.block_size, self.plan, argmax_only=self._screens_greedy)
         self.speculator.cost = StepCost(table)
         log.info("speculation: verify steps of 1-%d rows cost %s one-row steps here (%.1fs)",
                  len(table), ", ".join(f"{c:.2f}" for c in table), time.perf_counter() - t0)

@@ -3,11 +3,13 @@
 Speculative decoding (speculation.py) weighs each draft token against what its verify row adds
 to the step (StepCost: a step of r rows in one-row steps). That depends on the CPU more than on
 anything else: where a core's multiply-adds are cheap next to its memory bandwidth the first
-rows ride under the weight read, elsewhere each row costs more. One table measured on one CPU
-(an AMD EPYC Zen 5) drafted too long on another (a Zen 4, whose AVX-512 runs on 256-bit units:
-bench speculation's grounded workload 1.54x where the Zen 5 reached 1.60-1.62x). So the engine
-times verify-shaped steps before it reports ready (the shapes are warm by then: this compiles
-nothing) and hands the speculator this machine's table.
+rows ride under the weight read, elsewhere each row costs more: the second row of a step cost
+0.095 of a one-row step on an AMD EPYC Zen 5, 0.16-0.28 on a Zen 4 (AVX-512 on 256-bit units).
+A table from one CPU drafts too long on the other, so the engine times verify-shaped steps
+before it reports ready (the shapes are warm by then: this compiles nothing, ~1 s) and hands
+the speculator this machine's table. On the Zen 4 (bench speculation, 2026-12-04): free-form
+chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x (within the VM's drift; a replay of the
+same outputs modeled +0.4-0.5% grounded, +3.6% chat).
 
 A verify step is one sequence's rows over one block table, row i seeing the cache up to its own
 position (step_inputs.build_step_inputs), padded to its decode bucket as the engine pads it.
@@ -46,18 +48,21 @@ def verify_step(rows: int, context: int, num_blocks: int, block_size: int,
                       np.concatenate([positions, np.zeros(pad, dtype=np.int64)]),
                       np.concatenate([slots, scratch]), np.arange(rows, dtype=np.int64),
                       decode_block_tables=tables, decode_context_lens=lens)
-    step.argmax_only = True  # greedy rows: the ones that carry drafts
+    step.argmax_only = True  # greedy rows carry the drafts (measure: as the engine's steps)
     return step
 
 
 @torch.inference_mode()
 def measure(run_model, max_rows: int, num_blocks: int, block_size: int,
-            plan: BucketPlan | None = None, context: int = CONTEXT,
-            rounds: int = ROUNDS) -> tuple[float, ...]:
+            plan: BucketPlan | None = None, context: int = CONTEXT, rounds: int = ROUNDS,
+            argmax_only: bool = True) -> tuple[float, ...]:
     """Cost of a verify step of 1..max_rows rows in one-row steps (table[r - 1]), timing
-    `run_model(step)` (the engine's: every TP rank) `rounds` times per row count."""
+    `run_model(step)` (the engine's: every TP rank) `rounds` times per row count; argmax_only
+    as the engine's greedy steps have it (the screened head where every rank screens)."""
     context = max(1, min(context, (num_blocks - 1) * block_size - max_rows))
     steps = [verify_step(r, context, num_blocks, block_size, plan) for r in range(1, max_rows + 1)]
+    for step in steps:
+        step.argmax_only = argmax_only
     run_model(steps[0])  # the first call after warmup's last bucket pays for cold caches
     seconds = [[] for _ in steps]
     for k in range(rounds):
