@@ -15,7 +15,7 @@ def test_a_verify_step_is_one_sequences_rows_padded_to_its_bucket():
     plan = BucketPlan(decode_sizes=(1, 2, 4, 8), token_sizes=(16,))
     step = step_cost.verify_step(3, context=20, num_blocks=6, block_size=8, plan=plan)
     assert step.num_tokens == 4 and list(step.logits_indices) == [0, 1, 2]
-    assert list(step.positions[:3]) == [20, 21, 22] and step.argmax_only
+    assert list(step.positions[:3]) == [20, 21, 22]
     table = step.decode_block_tables
     assert table.shape == (4, 3) and SCRATCH_BLOCK not in table[:3]
     assert (table[:3] == table[0]).all() and (table[3] == SCRATCH_BLOCK).all()
@@ -37,6 +37,7 @@ def test_measure_times_each_row_count_and_keeps_the_table_non_decreasing(monkeyp
     def run_model(step):
         rows = len(step.logits_indices)
         seen.append(rows)
+        assert step.argmax_only  # greedy verify rows, as measure's default says
         clock[0] += cost[rows]
 
     table = step_cost.measure(run_model, 4, num_blocks=40, block_size=8, rounds=3)
@@ -62,7 +63,10 @@ def test_the_engine_hands_the_speculator_this_machines_table(tiny_text_model):
 
 def test_a_long_context_is_cut_to_what_the_pool_holds():
     tables = []
-    step_cost.measure(lambda step: tables.append(step.decode_block_tables), 3, num_blocks=6,
-                      block_size=8, context=10_000, rounds=1)
+    steps = []
+    step_cost.measure(steps.append, 3, num_blocks=6, block_size=8, context=10_000, rounds=1,
+                      argmax_only=False)
+    assert not any(step.argmax_only for step in steps)  # where the engine cannot screen
+    tables = [step.decode_block_tables for step in steps]
     for t in tables:  # blocks 1-5 only: the pool has 6, block 0 is the scratch block
         assert t.min() >= 1 and t.max() <= 5 and t.shape[1] <= 5

@@ -138,7 +138,9 @@ class LLMEngine:
         if self.config.warmup:
             try:
                 self.stats.warmup_seconds = run_warmup(self)
-                self._measure_step_cost()
+                if self.speculator is not None and self.device.type == "cpu":
+                    # this machine's verify-step costs (step_cost.py); a GPU keeps its guess
+                    self.speculator.cost = StepCost(step_cost.measure_engine(self))
             except BaseException:
                 self.close()
                 raise
@@ -146,18 +148,6 @@ class LLMEngine:
         log.info("engine ready in %.1fs (warmup %.1fs, %d buckets, %d CUDA graphs)",
                  time.perf_counter() - self._t_start, self.stats.warmup_seconds,
                  len(self.warm_shapes), self.runner.num_graph_captures)
-
-    def _measure_step_cost(self) -> None:
-        """CPU speculation: this machine's verify-step costs by rows replace the built-in table
-        (step_cost.py; ~1 s, warm shapes only). A GPU keeps GPU_STEP_COST (not measured)."""
-        if self.speculator is None or self.device.type != "cpu":
-            return
-        t0 = time.perf_counter()
-        table = step_cost.measure(self.run_model, self.speculator.max_rows, self.kv.num_blocks,
-                                  self.kv.block_size, self.plan, argmax_only=self._screens_greedy)
-        self.speculator.cost = StepCost(table)
-        log.info("speculation: verify steps of 1-%d rows cost %s one-row steps here (%.1fs)",
-                 len(table), ", ".join(f"{c:.2f}" for c in table), time.perf_counter() - t0)
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -6,8 +6,8 @@ anything else: where a core's multiply-adds are cheap next to its memory bandwid
 rows ride under the weight read, elsewhere each row costs more: the second row of a step cost
 0.095 of a one-row step on an AMD EPYC Zen 5, 0.16-0.28 on a Zen 4 (AVX-512 on 256-bit units).
 A table from one CPU drafts too long on the other, so the engine times verify-shaped steps
-before it reports ready (the shapes are warm by then: this compiles nothing, ~1 s) and hands
-the speculator this machine's table. On the Zen 4 (bench speculation, 2026-12-04): free-form
+before it reports ready (the shapes are warm by then: this compiles nothing; 1-1.5 s on the
+Zen 4's 2 cores) and hands the speculator this machine's table. On the Zen 4 (bench speculation, 2026-12-04): free-form
 chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x (within the VM's drift; a replay of the
 same outputs modeled +0.4-0.5% grounded, +3.6% chat).
 
@@ -18,14 +18,18 @@ rounds is kept, made non-decreasing (a step never costs less for more rows).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
 from backend.engine.buckets import BucketPlan
-from backend.engine.kv_manager import SCRATCH_BLOCK
-from backend.engine.step_inputs import StepInputs
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.engine.step_inputs import StepInputs, build_step_inputs
+
+log = logging.getLogger("backend.engine")
 
 CONTEXT = 512  # tokens of context the measured steps attend to (speculation's prompts: 200-700)
 ROUNDS = 9
@@ -33,23 +37,15 @@ ROUNDS = 9
 
 def verify_step(rows: int, context: int, num_blocks: int, block_size: int,
                 plan: BucketPlan | None = None) -> StepInputs:
-    """`rows` verify rows of one sequence of `context` tokens (blocks cycling over the pool,
-    never the scratch block: their contents do not matter here), padded to the decode bucket."""
-    positions = np.arange(context, context + rows, dtype=np.int64)
-    table = 1 + np.arange(-(-(context + rows) // block_size), dtype=np.int64) % (num_blocks - 1)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    pad = (plan.decode_bucket(rows) - rows) if plan is not None else 0
-    tables = np.full((rows + pad, len(table)), SCRATCH_BLOCK, dtype=np.int64)
-    tables[:rows] = table
-    lens = np.ones(rows + pad, dtype=np.int64)
-    lens[:rows] = positions + 1
-    scratch = np.full(pad, SCRATCH_BLOCK * block_size, dtype=np.int64)
-    step = StepInputs(np.zeros(rows + pad, dtype=np.int64),
-                      np.concatenate([positions, np.zeros(pad, dtype=np.int64)]),
-                      np.concatenate([slots, scratch]), np.arange(rows, dtype=np.int64),
-                      decode_block_tables=tables, decode_context_lens=lens)
-    step.argmax_only = True  # greedy rows carry the drafts (measure: as the engine's steps)
-    return step
+    """`rows` verify rows of one sequence of `context` tokens, built as the engine builds them
+    (step_inputs.build_step_inputs: a decode with rows - 1 drafts, padded to its bucket); its
+    blocks cycle over the pool, never the scratch block: their contents do not matter here."""
+    greedy = SamplingParams(temperature=0.0)
+    seq = Sequence("step-cost", [0] * (context + 1), context + 1, greedy, 0)
+    seq.num_computed_tokens = context
+    seq.block_table = [1 + b % (num_blocks - 1) for b in range(-(-(context + rows) // block_size))]
+    seq.draft_token_ids = [0] * (rows - 1)
+    return build_step_inputs([(seq, rows)], block_size, plan)[0]
 
 
 @torch.inference_mode()
@@ -76,3 +72,13 @@ def measure(run_model, max_rows: int, num_blocks: int, block_size: int,
     for m in medians[1:]:
         table.append(max(table[-1], m / medians[0]))
     return tuple(round(c, 3) for c in table)
+
+
+def measure_engine(engine) -> tuple[float, ...]:
+    """measure() on an engine's own model, pool and buckets, up to its speculator's rows."""
+    t0 = time.perf_counter()
+    table = measure(engine.run_model, engine.speculator.max_rows, engine.kv.num_blocks,
+                    engine.kv.block_size, engine.plan, argmax_only=engine._screens_greedy)
+    log.info("speculation: verify steps of 1-%d rows cost %s one-row steps here (%.1fs)",
+             len(table), ", ".join(f"{c:.2f}" for c in table), time.perf_counter() - t0)
+    return table
