@@ -7,8 +7,8 @@ rows ride under the weight read, elsewhere each row costs more: the second row o
 0.095 of a one-row step on an AMD EPYC Zen 5, 0.16-0.28 on a Zen 4 (AVX-512 on 256-bit units).
 A table from one CPU drafts too long on the other, so the engine times verify-shaped steps
 before it reports ready (the shapes are warm by then: this compiles nothing; 1-1.5 s on the
-Zen 4's 2 cores) and hands the speculator this machine's table. On the Zen 4 (bench speculation, 2026-12-04): free-form
-chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x (within the VM's drift; a replay of the
+Zen 4's 2 cores) and hands the speculator this machine's table. On the Zen 4 (bench
+speculation, 2026-12-04): free-form chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x (within the VM's drift; a replay of the
 same outputs modeled +0.4-0.5% grounded, +3.6% chat).
 
 A verify step is one sequence's rows over one block table, row i seeing the cache up to its own
