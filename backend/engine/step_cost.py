@@ -8,8 +8,8 @@ rows ride under the weight read, elsewhere each row costs more: the second row o
 A table from one CPU drafts too long on the other, so the engine times verify-shaped steps
 before it reports ready (the shapes are warm by then: this compiles nothing; 1-1.5 s on the
 Zen 4's 2 cores) and hands the speculator this machine's table. On the Zen 4 (bench
-speculation, 2026-12-04): free-form chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x (within the VM's drift; a replay of the
-same outputs modeled +0.4-0.5% grounded, +3.6% chat).
+speculation, 2026-12-04): free-form chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x
+(within the VM's drift; a replay of the same outputs modeled +0.4-0.5% grounded, +3.6% chat).
 
 A verify step is one sequence's rows over one block table, row i seeing the cache up to its own
 position (step_inputs.build_step_inputs), padded to its decode bucket as the engine pads it.
