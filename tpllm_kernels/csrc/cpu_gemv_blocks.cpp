@@ -38,9 +38,7 @@ struct Q4 {
   static void rebuild(const uint8_t* q, const float* s, Block16& lo, Block16& hi) {
 #if defined(TPLLM_SIMD16)
     using namespace simd;
-    load_nibbles(q, lo, hi);
-    const F16 d = set1(s[0]), m = set1(s[1]);
-    lo = fma(d, lo, m), hi = fma(d, hi, m);
+    rebuild_q4(q, s[0], s[1], lo, hi);
 #else
     for (int i = 0; i < 16; ++i) {
       lo[i] = s[0] * static_cast<float>(q[i] & 15) + s[1];
