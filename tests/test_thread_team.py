@@ -49,6 +49,24 @@ def test_every_index_runs_exactly_once(n, grain):
     assert cpu_ops.team_stats()["jobs"] - jobs == (1 if n > grain else 0)
 
 
+def test_each_thread_streams_through_one_stretch():
+    """A loop's chunks are cut into one contiguous segment per thread (the hardware prefetchers
+    follow one stream; turns taken from one counter interleave them). With 2 threads each runs
+    a prefix of its own segment, then perhaps chunks stolen from the back of the other's: at
+    most 2 runs of consecutive indices per thread, and index 0 always on the caller."""
+    _, caller = _cover(1, 1)  # a loop within its grain runs inline: the caller's id
+    for _ in range(50):
+        counts, who = ext._parallel_cover(1600, 100, False)  # 16 chunks
+        assert torch.equal(counts, torch.ones(1600, dtype=torch.int32))
+        ids = who.tolist()
+        assert ids[0] in caller
+        runs: dict[int, int] = {}
+        for i, t in enumerate(ids):
+            if i == 0 or ids[i - 1] != t:
+                runs[t] = runs.get(t, 0) + 1
+        assert all(r <= 2 for r in runs.values()), runs
+
+
 def test_many_loops_in_a_row():
     """Back-to-back loops (the decode step's pattern): workers join late, spin or sleep between."""
     for spin in (0, 5, 200):

@@ -7,9 +7,11 @@
 // (OMP_WAIT_POLICY=PASSIVE, the server's setting) cost ~65 us to wake per region on this VM
 // (~43 vs ~23 ms per SmolLM2 token), and workers spinning without bound starve whatever else
 // needs their core (>2 s per token with the other core busy). Here the caller never waits for
-// a worker that has not started: a loop is cut into chunks handed out one at a time from an
-// atomic counter, the caller takes chunks too, and a worker that is late (asleep, or
-// descheduled by another process) simply gets none. Between loops a worker spins a bounded
+// a worker that has not started: a loop is cut into chunks, one contiguous segment of them per
+// thread (the caller's included), each thread claims its own segment's chunks in order (one
+// memory stream, as a static split) and then steals the chunks left at the back of the
+// others', so a worker that is late (asleep, or descheduled by another process) simply gets
+// fewer or none. Between loops a worker spins a bounded
 // time (TPLLM_SPIN_US, default kDefaultSpinUs), then sleeps on a futex until the next loop is
 // published. While another process contends for the cores (a thread of ours was descheduled
 // mid-spin or mid-chunk, or a worker was woken on the caller's CPU) the workers sleep right
