@@ -112,11 +112,13 @@ def threading_info() -> str:
     """How the C++ kernels run their parallel loops in this process: on their worker team (and
     its spin) or on torch's OpenMP (TPLLM_THREADING; a server started with the same environment
     does the same)."""
-    from tpllm_kernels import cpu_ops
-    if not cpu_ops.AVAILABLE:
+    from tpllm_kernels import cpu_threading
+    if not cpu_threading.AVAILABLE:
         return "omp (no C++ kernels)"
-    mode = cpu_ops.threading_mode()
-    return f"team (spin {cpu_ops.team_spin_us()} us)" if mode == "team" else mode
+    if cpu_threading.threading_mode() != "team":
+        return cpu_threading.threading_mode()
+    gemm = ", GEMM passes on OpenMP" if cpu_threading.gemm_passes_on_omp() else ""
+    return f"team (spin {cpu_threading.team_spin_us()} us{gemm})"
 
 
 def gemm_library() -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpllm_kernels import cpu_ops
+from tpllm_kernels import cpu_ops, cpu_threading
 from tests.required import no_cpu_kernels
 
 if not cpu_ops.AVAILABLE:
@@ -25,13 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True)
 def team_mode_two_threads():
     """Each test starts in team mode with 2 threads and the default spin, and leaves them so."""
-    threads, mode, spin = torch.get_num_threads(), cpu_ops.threading_mode(), cpu_ops.team_spin_us()
+    threads, spin = torch.get_num_threads(), cpu_threading.team_spin_us()
+    mode = cpu_threading.threading_mode()
     torch.set_num_threads(2)
-    cpu_ops.set_threading_mode("team")
+    cpu_threading.set_threading_mode("team")
     yield
     torch.set_num_threads(threads)
-    cpu_ops.set_threading_mode(mode)
-    cpu_ops.set_team_spin_us(spin)
+    cpu_threading.set_threading_mode(mode)
+    cpu_threading.set_team_spin_us(spin)
 
 
 def _cover(n: int, grain: int, nested: bool = False) -> tuple[torch.Tensor, set[int]]:
@@ -42,11 +43,11 @@ def _cover(n: int, grain: int, nested: bool = False) -> tuple[torch.Tensor, set[
 @pytest.mark.parametrize("n, grain", [(1, 1), (2, 1), (17, 1), (1000, 1), (1000, 7), (1000, 999),
                                       (1000, 1000), (70000, 1), (123457, 64)])
 def test_every_index_runs_exactly_once(n, grain):
-    jobs = cpu_ops.team_stats()["jobs"]
+    jobs = cpu_threading.team_stats()["jobs"]
     counts, _ = _cover(n, grain)
     assert counts.shape == (n,) and torch.equal(counts, torch.ones(n, dtype=torch.int32))
     # a loop over more than its grain is published to the team (else it runs inline)
-    assert cpu_ops.team_stats()["jobs"] - jobs == (1 if n > grain else 0)
+    assert cpu_threading.team_stats()["jobs"] - jobs == (1 if n > grain else 0)
 
 
 def test_each_thread_streams_through_one_stretch():
@@ -70,7 +71,7 @@ def test_each_thread_streams_through_one_stretch():
 def test_many_loops_in_a_row():
     """Back-to-back loops (the decode step's pattern): workers join late, spin or sleep between."""
     for spin in (0, 5, 200):
-        cpu_ops.set_team_spin_us(spin)
+        cpu_threading.set_team_spin_us(spin)
         for i in range(300):
             n = 1 + (i * 37) % 500
             counts, _ = _cover(n, 1 + i % 3)
@@ -102,10 +103,10 @@ def test_an_exception_in_a_task_reaches_the_caller():
 
 def test_one_thread_runs_everything_on_the_caller():
     torch.set_num_threads(1)
-    jobs = cpu_ops.team_stats()["jobs"]
+    jobs = cpu_threading.team_stats()["jobs"]
     counts, who = _cover(5000, 1)
     assert torch.equal(counts, torch.ones(5000, dtype=torch.int32))
-    assert len(who) == 1 and cpu_ops.team_stats()["jobs"] == jobs  # inline: no job published
+    assert len(who) == 1 and cpu_threading.team_stats()["jobs"] == jobs  # inline: no job published
 
 
 def test_concurrent_callers():
@@ -128,20 +129,54 @@ def test_concurrent_callers():
 
 
 def test_omp_mode_and_switches():
-    cpu_ops.set_threading_mode("omp")
-    assert cpu_ops.threading_mode() == "omp"
-    jobs = cpu_ops.team_stats()["jobs"]
+    cpu_threading.set_threading_mode("omp")
+    assert cpu_threading.threading_mode() == "omp"
+    jobs = cpu_threading.team_stats()["jobs"]
     counts, _ = _cover(1000, 1)
     assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
-    assert cpu_ops.team_stats()["jobs"] == jobs  # at::parallel_for, not the team
+    assert cpu_threading.team_stats()["jobs"] == jobs  # at::parallel_for, not the team
     with pytest.raises(RuntimeError, match="task 5 failed"):
         ext._parallel_throw(1000, 1, 5)
     with pytest.raises(RuntimeError, match="team or omp"):
-        cpu_ops.set_threading_mode("tbb")
-    cpu_ops.set_team_spin_us(123)
-    assert cpu_ops.team_spin_us() == 123
+        cpu_threading.set_threading_mode("tbb")
+    cpu_threading.set_team_spin_us(123)
+    assert cpu_threading.team_spin_us() == 123
     with pytest.raises(RuntimeError, match=">= 0"):
-        cpu_ops.set_team_spin_us(-1)
+        cpu_threading.set_team_spin_us(-1)
+
+
+def _runs_on_team() -> bool:
+    jobs = cpu_threading.team_stats()["jobs"]
+    counts, _ = _cover(1000, 1)
+    assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
+    return cpu_threading.team_stats()["jobs"] > jobs
+
+
+def test_gemm_passes_run_their_loops_on_openmp_while_its_workers_spin(monkeypatch):
+    gemv_rows = cpu_ops.SMALL_M
+    monkeypatch.setattr(cpu_threading, "_GEMM_PASSES_ON_OMP", True)
+    cpu_ops.begin_forward(gemv_rows + 1, torch.float32)  # its linears are GEMMs
+    assert not _runs_on_team() and cpu_threading.threading_mode() == "team"
+    cpu_ops.begin_forward(gemv_rows, torch.float32)  # all in the C++ kernels
+    assert _runs_on_team()
+    if cpu_ops.BF16_SMALL_M < gemv_rows:  # bf16 leaves the GEMV sooner
+        cpu_ops.begin_forward(gemv_rows, torch.bfloat16)
+        assert not _runs_on_team()
+    monkeypatch.setattr(cpu_threading, "_GEMM_PASSES_ON_OMP", False)  # OpenMP's workers sleep
+    cpu_ops.begin_forward(gemv_rows + 1, torch.float32)
+    assert _runs_on_team()
+    cpu_threading.set_threading_mode("omp")  # chosen: every pass on OpenMP
+    cpu_ops.begin_forward(1, torch.float32)
+    assert not _runs_on_team() and cpu_threading.threading_mode() == "omp"
+
+
+@pytest.mark.parametrize("policy, spincount, spins", [
+    ("", "", True), ("active", "", True), ("PASSIVE", "", False), (" passive ", "", False),
+    ("", "0", False), ("", "10000", True)])
+def test_openmp_workers_spin_by_environment(monkeypatch, policy, spincount, spins):
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    monkeypatch.setenv("GOMP_SPINCOUNT", spincount)
+    assert cpu_threading.openmp_workers_spin() == spins
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -152,8 +187,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_environment_sets_mode_and_spin():
-    code = ("from tpllm_kernels import cpu_ops; "
-            "print(cpu_ops.threading_mode(), cpu_ops.team_spin_us())")
+    code = ("from tpllm_kernels import cpu_threading; "
+            "print(cpu_threading.threading_mode(), cpu_threading.team_spin_us())")
     assert _python(code).stdout.split() == ["team", "100"]  # the defaults
     proc = _python(code, TPLLM_THREADING="omp", TPLLM_SPIN_US="7")
     assert proc.stdout.split() == ["omp", "7"], proc.stderr[-2000:]
@@ -196,10 +231,10 @@ def test_team_and_omp_compute_the_same_bits(dtype, default_model_dir):
     from tests.test_cpu_isa import _kernel_outputs
     results = {}
     for mode in ("omp", "team"):
-        cpu_ops.set_threading_mode(mode)
-        jobs = cpu_ops.team_stats()["jobs"]
+        cpu_threading.set_threading_mode(mode)
+        jobs = cpu_threading.team_stats()["jobs"]
         results[mode] = {"logits": _decode_logits(default_model_dir, dtype), **_kernel_outputs()}
-        ran_on_team = cpu_ops.team_stats()["jobs"] - jobs
+        ran_on_team = cpu_threading.team_stats()["jobs"] - jobs
         assert (ran_on_team > 0) == (mode == "team"), (mode, ran_on_team)
     for key, want in results["omp"].items():
         assert torch.equal(results["team"][key], want), key

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tpllm_kernels import cpu_blocks as _blocks
+from tpllm_kernels import cpu_threading as _threads
 from tpllm_kernels import reference as _ref
 from tpllm_kernels.cpu_ext import load
 from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
@@ -413,32 +414,8 @@ FUSED_DECODE_BF16_ROWS = BF16_SMALL_M if _BF16_GEMV else 0
 GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
 
 
-# The kernels' parallel loops run on the module's own worker team (csrc/thread_team.h: workers
-# spin a bounded time between loops, then sleep; the caller never waits for a worker that has
-# not started) or, in "omp" mode, on torch's OpenMP (at::parallel_for) as before. The mode and
-# the spin come from TPLLM_THREADING (team | omp) and TPLLM_SPIN_US when the module loads; these
-# change them at run time, for the whole process. Results are the same bits either way.
-def threading_mode() -> str:
-    """'team' or 'omp' ('omp' also when the C++ kernels are off: torch's own ops are OpenMP)."""
-    return _ext.threading_mode() if AVAILABLE else "omp"
-
-
-def set_threading_mode(mode: str) -> None:
-    if AVAILABLE:
-        _ext.set_threading_mode(mode)
-
-
-def team_spin_us() -> int:
-    """How long an idle worker spins for the next loop before it sleeps (microseconds)."""
-    return _ext.team_spin_us() if AVAILABLE else 0
-
-
-def set_team_spin_us(us: int) -> None:
-    if AVAILABLE:
-        _ext.set_team_spin_us(int(us))
-
-
-def team_stats() -> dict:
-    """Counters since the module loaded: loops published (jobs), loops run inline, chunks and
-    those the workers ran, futex wakes of sleeping workers, worker parks, caller sleeps."""
-    return dict(_ext.team_stats()) if AVAILABLE else {}
+def begin_forward(rows: int, dtype: torch.dtype) -> None:
+    """Before a forward pass of `rows` token rows: where its kernels' loops run (a pass whose
+    linears are GEMMs runs them on OpenMP: cpu_threading.place_loops)."""
+    gemv_rows = SMALL_M if dtype == torch.float32 else BF16_SMALL_M if _BF16_GEMV else 0
+    _threads.place_loops(rows > gemv_rows)

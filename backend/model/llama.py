@@ -127,6 +127,8 @@ class LlamaForCausalLM(DirectModule):
         (lm_head.enable_greedy_screening) a row's logits are then its exact maximum at its
         argmax and -inf elsewhere (backend/model/greedy_head.py)."""
         x = self.embed_tokens(input_ids)
+        if (begin := getattr(self.ops, "begin_forward", None)) is not None:
+            begin(x.shape[0], x.dtype)  # where this pass's kernel loops run (CPU)
         residual = None
         if not self._fused_step(x, meta):
             for layer, kv in zip(self.layers, kv_caches):
