@@ -151,7 +151,7 @@ def child_main(spec_path: str, out_path: str) -> int:
     import torch
     from backend import LLM, SamplingParams
     from backend.engine.model_files import resolve_model_dir
-    from tpllm_kernels import cpu_ext
+    from tpllm_kernels import cpu_ext, cpu_threading
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -164,7 +164,7 @@ def child_main(spec_path: str, out_path: str) -> int:
     # cache), so a cell costs one prefill; the decode steps are the same either way
     prompt = bu.make_prompts(1, spec["input_len"], vocab, spec["seed"])[0]
     out = {"kernel_isa": cpu_ext.isa_level(), "aten_isa": torch.backends.cpu.get_cpu_capability(),
-           "threading": ext.threading_mode() if ext is not None else "none",
+           "threading": cpu_threading.threading_mode() if ext is not None else "none",
            "spin_us": ext.team_spin_us() if ext is not None else None,
            "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
            "environment": {k: os.environ[k] for k in _THREADING_VARS if k in os.environ}}
