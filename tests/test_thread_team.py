@@ -128,13 +128,18 @@ def test_concurrent_callers():
     assert errors == []
 
 
-def test_omp_mode_and_switches():
-    cpu_threading.set_threading_mode("omp")
-    assert cpu_threading.threading_mode() == "omp"
+def _runs_on_team() -> bool:
+    """Whether a loop of 1000 (each index once) was published to the team, not OpenMP."""
     jobs = cpu_threading.team_stats()["jobs"]
     counts, _ = _cover(1000, 1)
     assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
-    assert cpu_threading.team_stats()["jobs"] == jobs  # at::parallel_for, not the team
+    return cpu_threading.team_stats()["jobs"] > jobs
+
+
+def test_omp_mode_and_switches():
+    cpu_threading.set_threading_mode("omp")
+    assert cpu_threading.threading_mode() == "omp"
+    assert not _runs_on_team()  # at::parallel_for, not the team
     with pytest.raises(RuntimeError, match="task 5 failed"):
         ext._parallel_throw(1000, 1, 5)
     with pytest.raises(RuntimeError, match="team or omp"):
@@ -143,13 +148,6 @@ def test_omp_mode_and_switches():
     assert cpu_threading.team_spin_us() == 123
     with pytest.raises(RuntimeError, match=">= 0"):
         cpu_threading.set_team_spin_us(-1)
-
-
-def _runs_on_team() -> bool:
-    jobs = cpu_threading.team_stats()["jobs"]
-    counts, _ = _cover(1000, 1)
-    assert torch.equal(counts, torch.ones(1000, dtype=torch.int32))
-    return cpu_threading.team_stats()["jobs"] > jobs
 
 
 def test_gemm_passes_run_their_loops_on_openmp_while_its_workers_spin(monkeypatch):

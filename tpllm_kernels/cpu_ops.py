@@ -406,10 +406,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 AVAILABLE = _ext is not None
 _BF16_GEMV = AVAILABLE and _ext.bf16_gemv_supported()
+# the most rows a bf16 linear runs in the C++ GEMV (0 without it; beyond them it is oneDNN's)
+_BF16_GEMV_ROWS = BF16_SMALL_M if _BF16_GEMV else 0
 # A bf16 decode-only step of at most this many rows at one rank runs fused too (FUSED_DECODE):
-# the rows the modular path's bf16 GEMV takes (beyond them it is oneDNN's), so the fused layers
-# run the same arithmetic
-FUSED_DECODE_BF16_ROWS = BF16_SMALL_M if _BF16_GEMV else 0
+# the rows the modular path's bf16 GEMV takes, so the fused layers run the same arithmetic
+FUSED_DECODE_BF16_ROWS = _BF16_GEMV_ROWS
 # the screened greedy head (greedy_argmax_screened) runs on the bf16 GEMV's tiles
 GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
 
@@ -417,5 +418,5 @@ GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
 def begin_forward(rows: int, dtype: torch.dtype) -> None:
     """Before a forward pass of `rows` token rows: where its kernels' loops run (a pass whose
     linears are GEMMs runs them on OpenMP: cpu_threading.place_loops)."""
-    gemv_rows = SMALL_M if dtype == torch.float32 else BF16_SMALL_M if _BF16_GEMV else 0
+    gemv_rows = SMALL_M if dtype == torch.float32 else _BF16_GEMV_ROWS
     _threads.place_loops(rows > gemv_rows)
