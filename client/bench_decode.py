@@ -178,9 +178,9 @@ def child_main(spec_path: str, out_path: str) -> int:
     if out["probe_tpot_s"] * 1e3 > spec["give_up_ms"]:
         out["gave_up"] = True
     else:
-        before = ext.team_stats() if ext is not None else {}
+        before = cpu_threading.team_stats()
         out["runs"] = [{"tpot_s": tpot(spec["tokens"])} for _ in range(spec["repeats"])]
-        after = ext.team_stats() if ext is not None else {}
+        after = cpu_threading.team_stats()
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
         if spec["paired"]:  # None without the kernels (no probe)
             from client import floors

@@ -115,8 +115,9 @@ def threading_info() -> str:
     from tpllm_kernels import cpu_threading
     if not cpu_threading.AVAILABLE:
         return "omp (no C++ kernels)"
-    if cpu_threading.threading_mode() != "team":
-        return cpu_threading.threading_mode()
+    mode = cpu_threading.threading_mode()
+    if mode != "team":
+        return mode
     gemm = ", GEMM passes on OpenMP" if cpu_threading.gemm_passes_on_omp() else ""
     return f"team (spin {cpu_threading.team_spin_us()} us{gemm})"
 

@@ -58,7 +58,7 @@ def place_loops(gemm_pass: bool) -> None:
     """Before a forward pass: its loops on OpenMP if it runs GEMMs and OpenMP's workers spin
     (gemm_passes_on_omp), else in the chosen mode."""
     if AVAILABLE and _chosen == "team":
-        _ext.set_threading_mode("omp" if gemm_pass and _GEMM_PASSES_ON_OMP else "team")
+        _ext.set_threading_mode("omp" if gemm_pass and gemm_passes_on_omp() else "team")
 
 
 def team_spin_us() -> int:
