@@ -167,7 +167,7 @@ def _cmd_bench_spec_replay(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the grounded prompts")
     p.add_argument("--row-costs", default=None,
                    help="comma list: a step of 1, 2, ... rows in one-row steps "
-                        "(default speculation.py's CPU_STEP_COST)")
+                        "(default: the engine's, measured at its warmup)")
     p.add_argument("--out", default=None, help="JSON path: outputs and results (default: none)")
     p.set_defaults(runner="client.spec_replay")
 

@@ -99,6 +99,7 @@ class OfflineTarget:
     def batch(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         from backend import SamplingParams
         outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+        self.last_ttft = [o.metrics["ttft_s"] for o in outs]
         return [o.token_ids for o in outs]
 
     def spec_counts(self) -> tuple[float, float]:
@@ -130,17 +131,25 @@ class ServerTarget:
     def batch(self, prompts: list[str], max_tokens: int) -> list[str]:
         from client.generate import generate
         out: list = [None] * len(prompts)
+        first: list = [None] * len(prompts)  # when each request's first text arrived
 
         def one(i):
+            t0 = time.perf_counter()
+
+            def on_text(_text):
+                if first[i] is None:
+                    first[i] = time.perf_counter() - t0
             out[i] = generate({"text_input": prompts[i], "max_tokens": max_tokens,
                                "temperature": 0.0, "stream": True,
-                               "exclude_input_in_output": True}, "grpc", self.server.grpc_url)
+                               "exclude_input_in_output": True}, "grpc", self.server.grpc_url,
+                              on_text=on_text)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         self.last_tokens = sum(int(o["num_output_tokens"]) for o in out)
+        self.last_ttft = first
         return [o["text"] for o in out]
 
     def spec_counts(self) -> tuple[float, float]:
@@ -166,9 +175,13 @@ def _count(target, results) -> int:
 
 
 def batch1(targets: dict, prompts: list[str], max_tokens: int) -> dict:
-    """Each prompt alone, the two settings alternating (off first on even prompts)."""
+    """Each prompt alone, the two settings alternating (off first on even prompts). Besides
+    tok/s over whole requests (the target's), tok/s after each request's first token: the part
+    speculation changes (the prompt's prefill is the same work on and off, and dilutes the
+    whole-request ratio by its share)."""
     secs = {k: 0.0 for k in targets}
     toks = {k: 0 for k in targets}
+    firsts = {k: 0.0 for k in targets}  # seconds to each request's first token, summed
     same = 0
     for i, p in enumerate(prompts):
         order = list(targets) if i % 2 == 0 else list(targets)[::-1]
@@ -178,11 +191,16 @@ def batch1(targets: dict, prompts: list[str], max_tokens: int) -> dict:
             got[name] = targets[name].batch([p], max_tokens)
             secs[name] += time.perf_counter() - t0
             toks[name] += _count(targets[name], got[name])
+            firsts[name] += sum(t or 0.0 for t in targets[name].last_ttft)
         same += got["off"] == got["on"]
     out = {name: {"output_tokens": toks[name], "seconds": secs[name],
-                  "tok_s": toks[name] / secs[name]} for name in targets}
+                  "tok_s": toks[name] / secs[name], "first_token_s": firsts[name],
+                  # the tokens after each request's first, over the time after it
+                  "after_first_tok_s": (toks[name] - len(prompts))
+                  / max(1e-9, secs[name] - firsts[name])} for name in targets}
     out["identical"] = f"{same}/{len(prompts)}"
     out["ratio"] = out["on"]["tok_s"] / out["off"]["tok_s"]
+    out["after_first_ratio"] = out["on"]["after_first_tok_s"] / out["off"]["after_first_tok_s"]
     return out
 
 
@@ -263,7 +281,22 @@ def report(data: dict) -> str:
                      f"match {data['match']}, max_tokens {data['max_tokens']}",
                      ["workload", "off tok/s", "on tok/s", "on/off", "identical greedy"], rows)
             + f"\ndrafts accepted: {acc['accepted_tokens']:.0f} of {acc['draft_tokens']:.0f} ({rate})\n"
-            + _work_line(data["grounded_concurrent"]) + bu.ratio_lines(ratios))
+            + _after_first_line(data) + _work_line(data["grounded_concurrent"])
+            + bu.ratio_lines(ratios))
+
+
+def _after_first_line(data: dict) -> str:
+    """(a) and (b) after each request's first token (no target: where the whole-request ratio
+    would be if the prompts' prefill took no time)."""
+    cells = []
+    for key, name in (("grounded_batch1", "(a)"), ("chat_batch1", "(b)")):
+        r = data[key]
+        cells.append(f"{name} {bu.fmt_num(r['off']['after_first_tok_s'])} -> "
+                     f"{bu.fmt_num(r['on']['after_first_tok_s'])} tok/s "
+                     f"{r['after_first_ratio']:.2f}x (first tokens {r['off']['first_token_s']:.1f}"
+                     f"/{r['on']['first_token_s']:.1f} s of {r['off']['seconds']:.1f}"
+                     f"/{r['on']['seconds']:.1f})")
+    return "after each request's first token (off -> on): " + "; ".join(cells) + "\n"
 
 
 def _work_line(c: dict) -> str:

@@ -6,12 +6,18 @@ every draft's fate is known too: a draft is accepted up to the first token that 
 the output. This module decodes bench speculation's workloads once (speculation off, one
 batch each), then drives `NgramSpeculator` step by step over those outputs as the engine would
 (propose, then accept or observe) and weighs each step by the cost of its rows in one-row
-steps (`--row-costs`; by default speculation.py's CPU_STEP_COST, the table the speculator's
-own cost model uses). The ratio of plain steps to that weighted sum is the decode speedup the
-policy would give if steps cost what the table says: prefill, sampling and the VM's drift
-(5-25% between runs here) left out. Use it to compare draft policies (sources, priors, decay)
-on thousands of steps in seconds, then confirm a winner with `bench speculation`, which
-measures the real thing.
+steps (`--row-costs`; by default the table this machine's engine measured at warmup, the one
+its speculator weighs drafts with: step_cost.py). The ratio of plain steps to that weighted sum
+is the decode speedup the policy would give if steps cost what the table says: prefill,
+sampling and the VM's drift (5-25% between runs here) left out. Use it to compare draft policies
+(sources, priors, decay) on thousands of steps in seconds, then confirm a winner with
+`bench speculation`, which measures the real thing.
+
+Two bounds, over the same outputs and costs, say how much any length policy or any copy source
+could add: `perfect_lengths` drafts the policy's own candidates (the same sources), each cut to
+exactly the tokens the model will accept; `any_copy` drafts, at every step, the longest run of
+the coming output (up to k) found anywhere in the context so far, i.e. what a prompt-lookup
+drafter that always picked the right place to copy from, and the right length, would get.
 """
 from __future__ import annotations
 
@@ -21,9 +27,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from backend.engine.ngram import NgramIndex
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, StepCost
+from backend.engine.speculation import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, SpecState, \
+    StepCost
 
 @dataclass
 class Replay:
@@ -84,6 +92,80 @@ def replay(make: Callable[[], NgramSpeculator], work: list[tuple[list[int], list
     return total
 
 
+def _agreeing(draft: list[int], coming: list[int]) -> int:
+    """How many of draft's tokens the model accepts when its next tokens are `coming`."""
+    a = 0
+    while a < len(draft) and a < len(coming) and draft[a] == coming[a]:
+        a += 1
+    return a
+
+
+def perfect_lengths(work: list[tuple[list[int], list[int]]], k: int, match: int,
+                    cost: StepCost) -> Replay:
+    """The speculator's candidates (SpecState: the same sources in the same order), each step
+    drafting exactly the part of its candidate that the model accepts."""
+    total = Replay()
+    for prompt, output in work:
+        st = SpecState([NgramIndex(n) for n in range(match, 0, -1)], {})
+        context = list(prompt) + output[:1]
+        total.tokens += len(output) - 1
+        i = 1
+        while i < len(output):
+            found = st.candidate(context, k)
+            # drafts accepted, never past the output's last token (the step's own comes after)
+            a = _agreeing(found[1], output[i:len(output) - 1]) if found else 0
+            total.steps += 1
+            total.cost += cost(1 + a)
+            total.drafted += a
+            total.accepted += a
+            st.advanced(a + 1)
+            context.extend(output[i:i + a + 1])
+            i += a + 1
+    return total
+
+
+def _longest_copy(context: list[int], coming: list[int], k: int) -> int:
+    """The longest prefix of `coming` (at most k tokens) that context holds from some start,
+    a copy running on into the tokens it drafts (as ngram.copy_from continues past the end)."""
+    best, n = 0, len(context)
+    limit = min(k, len(coming))
+    if limit == 0:
+        return 0
+    for start in range(n):
+        if context[start] != coming[0]:
+            continue
+        length = 0
+        while length < limit:
+            at = start + length
+            token = context[at] if at < n else coming[at - n]
+            if token != coming[length]:
+                break
+            length += 1
+        best = max(best, length)
+        if best == limit:
+            break
+    return best
+
+
+def any_copy(work: list[tuple[list[int], list[int]]], k: int, cost: StepCost) -> Replay:
+    """Each step drafts the longest run of the coming output that occurs anywhere earlier in
+    the context (up to k tokens), all of it accepted: the bound of drafting by copying."""
+    total = Replay()
+    for prompt, output in work:
+        context = list(prompt) + output[:1]
+        total.tokens += len(output) - 1
+        i = 1
+        while i < len(output):
+            a = _longest_copy(context, output[i:len(output) - 1], k)
+            total.steps += 1
+            total.cost += cost(1 + a)
+            total.drafted += a
+            total.accepted += a
+            context.extend(output[i:i + a + 1])
+            i += a + 1
+    return total
+
+
 def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt token ids, greedy output token ids) of each prompt, speculation off."""
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -93,26 +175,36 @@ def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], li
 def main(args: argparse.Namespace) -> None:
     from backend import LLM
     from client.bench_speculation import _chat, chat_prompts, grounded_prompts
+    # speculation on: its warmup measures this machine's verify steps (the recorded outputs are
+    # the same as without: greedy tokens are identical either way)
+    llm = LLM(model=args.model, num_threads=args.threads, speculative_ngram=args.k,
+              speculative_ngram_match=args.match)
     cost = StepCost(tuple(float(c) for c in args.row_costs.split(","))) if args.row_costs \
-        else CPU_STEP_COST
-    llm = LLM(model=args.model, num_threads=args.threads)
+        else llm.engine.speculator.cost
     tok = llm.tokenizer
     workloads = {"(a) grounded": [_chat(tok, p) for p, _ in grounded_prompts(args.prompts,
                                                                              args.seed)],
                  "(b) chat": [_chat(tok, p) for p, _ in chat_prompts(args.prompts)]}
     t0 = time.perf_counter()
     recorded = {name: record(llm, ps, args.max_tokens) for name, ps in workloads.items()}
+    source = "--row-costs" if args.row_costs else "the engine's, measured here at warmup"
     print(f"recorded {sum(len(o) for w in recorded.values() for _, o in w)} output tokens in "
-          f"{time.perf_counter() - t0:.0f} s; step costs by rows {cost.table}")
+          f"{time.perf_counter() - t0:.0f} s; step costs by rows ({source}) {cost.table}")
     make = lambda: NgramSpeculator(args.k, args.match, CPU_VERIFY_ROWS, cost)  # noqa: E731
     result = {}
     for name, work in recorded.items():
         r = replay(make, work, args.max_tokens, cost)
+        lengths = perfect_lengths(work, args.k, args.match, cost)
+        copy = any_copy(work, args.k, cost)
         result[name] = {"speedup": r.speedup, "steps": r.steps, "plain_steps": r.tokens,
-                        "drafted": r.drafted, "accepted": r.accepted}
+                        "drafted": r.drafted, "accepted": r.accepted,
+                        "perfect_lengths_speedup": lengths.speedup,
+                        "any_copy_speedup": copy.speedup}
         print(f"{name}: modeled decode speedup {r.speedup:.3f}x, {r.steps} steps for "
-              f"{r.tokens} tokens, {r.accepted}/{r.drafted} drafts accepted")
+              f"{r.tokens} tokens, {r.accepted}/{r.drafted} drafts accepted; bounds: perfect "
+              f"lengths {lengths.speedup:.3f}x, any copy {copy.speedup:.3f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"k": args.k, "match": args.match, "seed": args.seed,
-                       "step_costs": cost.table, "recorded": recorded, "result": result}, f)
+                       "step_costs": cost.table, "step_costs_source": source,
+                       "recorded": recorded, "result": result}, f)

@@ -7,7 +7,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.speculation import NgramSpeculator, StepCost
-from client.spec_replay import replay, replay_one
+from client.spec_replay import _longest_copy, any_copy, perfect_lengths, replay, replay_one
 from tests.test_speculation import OracleDrafts, _ids
 
 
@@ -57,3 +57,27 @@ def test_replay_weighs_steps_by_their_rows():
     r = replay(lambda: NgramSpeculator(7, 2, 8, cost=free), [(prompt, output)], 64, costs)
     assert (r.tokens, r.steps, r.drafted, r.accepted) == (40, 6, 35, 35)
     assert r.cost == 1.0 + 5 * 2.0 and r.speedup == 40 / 11.0
+
+
+def test_bounds_on_a_copied_prompt():
+    """perfect_lengths drafts the policy's own candidates, cut to what is accepted: nothing
+    after the prefill's token (which occurred nowhere before), then the prompt 7 tokens a step,
+    the last step only the 6 the output still has (never past its last token). any_copy finds
+    the prompt as soon as the coming output starts it: one step fewer."""
+    prompt = list(range(100, 140))
+    output = [1] + prompt
+    costs = StepCost((1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 2.0))
+    r = perfect_lengths([(prompt, output)], 7, 2, costs)
+    assert (r.tokens, r.steps, r.drafted, r.accepted) == (40, 6, 34, 34)
+    assert r.cost == 1.0 + 4 * 2.0 + 1.5
+    c = any_copy([(prompt, output)], 7, costs)
+    assert (c.tokens, c.steps, c.drafted, c.accepted) == (40, 5, 35, 35)
+    assert c.cost == 5 * 2.0 and c.speedup > r.speedup
+
+
+def test_longest_copy_runs_on_into_what_it_drafts():
+    # a period of 3 in the context drafts whole periods, as ngram.copy_from does
+    assert _longest_copy([7, 8, 9, 7], [8, 9, 7, 8, 9, 7, 8, 9], 7) == 7
+    assert _longest_copy([7, 8, 9, 7], [8, 9, 7, 8, 9, 7, 8, 9], 4) == 4
+    assert _longest_copy([1, 2, 3], [2, 4], 7) == 1
+    assert _longest_copy([1], [5], 7) == 0 and _longest_copy([1], [], 7) == 0

@@ -431,6 +431,11 @@ def test_bench_speculation_smoke(tiny_text_model, tmp_path, command):
         assert w["on"]["steps"] > 0 and w["off"]["steps"] > 0 and w["off"]["drafts"] == 0
         assert w["on"]["model_s"] > 0 and w["off"]["model_s"] > 0
     assert data["grounded_batch1"]["identical"] == "3/3" and data["chat_batch1"]["identical"] == "3/3"
+    for key in ("grounded_batch1", "chat_batch1"):  # and the same after each first token
+        for name in ("off", "on"):
+            r = data[key][name]
+            assert 0 < r["first_token_s"] < r["seconds"] and r["after_first_tok_s"] > 0
+    assert "after each request's first token" in proc.stdout
     assert data["info"]["kernel_isa"] in ("avx512_bf16", "avx512", "avx2", "generic")
     assert "(a) input-grounded, batch 1" in proc.stdout and "drafts accepted" in proc.stdout
 
