@@ -99,7 +99,7 @@ class OfflineTarget:
     def batch(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         from backend import SamplingParams
         outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-        self.last_ttft = [o.metrics["ttft_s"] for o in outs]
+        self.last_ttft = [o.metrics.get("ttft_s") for o in outs]
         return [o.token_ids for o in outs]
 
     def spec_counts(self) -> tuple[float, float]:

@@ -3,8 +3,8 @@
 
 Greedy tokens are the same with speculation on or off, so once a workload's outputs are known,
 every draft's fate is known too: a draft is accepted up to the first token that differs from
-the output. This module decodes bench speculation's workloads once (speculation off, one
-batch each), then drives `NgramSpeculator` step by step over those outputs as the engine would
+the output. This module decodes bench speculation's workloads once (one batch each), then
+drives `NgramSpeculator` step by step over those outputs as the engine would
 (propose, then accept or observe) and weighs each step by the cost of its rows in one-row
 steps (`--row-costs`; by default the table this machine's engine measured at warmup, the one
 its speculator weighs drafts with: step_cost.py). The ratio of plain steps to that weighted sum
@@ -167,7 +167,8 @@ def any_copy(work: list[tuple[list[int], list[int]]], k: int, cost: StepCost) ->
 
 
 def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt token ids, greedy output token ids) of each prompt, speculation off."""
+    """(prompt token ids, greedy output token ids) of each prompt (the same with speculation on
+    or off: tests/test_speculation.py)."""
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [(llm.tokenizer.encode(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
 
@@ -194,8 +195,10 @@ def main(args: argparse.Namespace) -> None:
     result = {}
     for name, work in recorded.items():
         r = replay(make, work, args.max_tokens, cost)
-        lengths = perfect_lengths(work, args.k, args.match, cost)
-        copy = any_copy(work, args.k, cost)
+        # the bounds draft at most what a CPU step may verify, as the speculator does
+        most = min(args.k, CPU_VERIFY_ROWS - 1)
+        lengths = perfect_lengths(work, most, args.match, cost)
+        copy = any_copy(work, most, cost)
         result[name] = {"speedup": r.speedup, "steps": r.steps, "plain_steps": r.tokens,
                         "drafted": r.drafted, "accepted": r.accepted,
                         "perfect_lengths_speedup": lengths.speedup,

@@ -81,3 +81,27 @@ def test_longest_copy_runs_on_into_what_it_drafts():
     assert _longest_copy([7, 8, 9, 7], [8, 9, 7, 8, 9, 7, 8, 9], 4) == 4
     assert _longest_copy([1, 2, 3], [2, 4], 7) == 1
     assert _longest_copy([1], [5], 7) == 0 and _longest_copy([1], [], 7) == 0
+
+
+def test_bench_spec_replay_smoke(tiny_text_model, tmp_path):
+    """`bench spec-replay` end to end at toy sizes (a tiny random model: the figures mean
+    nothing): the engine's own warmup table weighs the steps, and both bounds are reported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "replay.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "spec-replay", "--model", str(tiny_text_model),
+         "--prompts", "3", "--max-tokens", "12", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["step_costs_source"] == "the engine's, measured here at warmup"
+    table = data["step_costs"]
+    assert len(table) == 8 and table[0] == 1.0 and table == sorted(table)
+    for name in ("(a) grounded", "(b) chat"):
+        r = data["result"][name]
+        assert r["plain_steps"] > 0 and r["speedup"] > 0
+        assert r["perfect_lengths_speedup"] > 0 and r["any_copy_speedup"] > 0
+    assert "bounds: perfect lengths" in proc.stdout
