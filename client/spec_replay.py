@@ -100,28 +100,42 @@ def _agreeing(draft: list[int], coming: list[int]) -> int:
     return a
 
 
-def perfect_lengths(work: list[tuple[list[int], list[int]]], k: int, match: int,
-                    cost: StepCost) -> Replay:
-    """The speculator's candidates (SpecState: the same sources in the same order), each step
-    drafting exactly the part of its candidate that the model accepts."""
+def _all_accepted(work: list[tuple[list[int], list[int]]], cost: StepCost,
+                  drafter: Callable[[], Callable[[list[int], list[int]], int]]) -> Replay:
+    """Each request decoded by steps whose drafts are all accepted: drafter() gives a request's
+    `accepted(context, coming)`, the drafts of a step over `context` that the next tokens
+    `coming` confirm (never past the output's last token: the step's own token comes after)."""
     total = Replay()
     for prompt, output in work:
-        st = SpecState([NgramIndex(n) for n in range(match, 0, -1)], {})
+        accepted = drafter()
         context = list(prompt) + output[:1]
         total.tokens += len(output) - 1
         i = 1
         while i < len(output):
-            found = st.candidate(context, k)
-            # drafts accepted, never past the output's last token (the step's own comes after)
-            a = _agreeing(found[1], output[i:len(output) - 1]) if found else 0
+            a = accepted(context, output[i:len(output) - 1])
             total.steps += 1
             total.cost += cost(1 + a)
             total.drafted += a
             total.accepted += a
-            st.advanced(a + 1)
             context.extend(output[i:i + a + 1])
             i += a + 1
     return total
+
+
+def perfect_lengths(work: list[tuple[list[int], list[int]]], k: int, match: int,
+                    cost: StepCost) -> Replay:
+    """The speculator's candidates (SpecState: the same sources in the same order), each step
+    drafting exactly the part of its candidate that the model accepts."""
+    def drafter():
+        st = SpecState([NgramIndex(n) for n in range(match, 0, -1)], {})
+
+        def accepted(context: list[int], coming: list[int]) -> int:
+            found = st.candidate(context, k)
+            a = _agreeing(found[1], coming) if found else 0
+            st.advanced(a + 1)
+            return a
+        return accepted
+    return _all_accepted(work, cost, drafter)
 
 
 def _longest_copy(context: list[int], coming: list[int], k: int) -> int:
@@ -150,20 +164,8 @@ def _longest_copy(context: list[int], coming: list[int], k: int) -> int:
 def any_copy(work: list[tuple[list[int], list[int]]], k: int, cost: StepCost) -> Replay:
     """Each step drafts the longest run of the coming output that occurs anywhere earlier in
     the context (up to k tokens), all of it accepted: the bound of drafting by copying."""
-    total = Replay()
-    for prompt, output in work:
-        context = list(prompt) + output[:1]
-        total.tokens += len(output) - 1
-        i = 1
-        while i < len(output):
-            a = _longest_copy(context, output[i:len(output) - 1], k)
-            total.steps += 1
-            total.cost += cost(1 + a)
-            total.drafted += a
-            total.accepted += a
-            context.extend(output[i:i + a + 1])
-            i += a + 1
-    return total
+    return _all_accepted(work, cost, lambda: lambda context, coming: _longest_copy(context,
+                                                                                     coming, k))
 
 
 def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
