@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.engine.ngram import NgramIndex
+from backend.engine.ngram import NgramIndex, agreeing, copy_from
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.speculation import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, SpecState, \
@@ -92,14 +92,6 @@ def replay(make: Callable[[], NgramSpeculator], work: list[tuple[list[int], list
     return total
 
 
-def _agreeing(draft: list[int], coming: list[int]) -> int:
-    """How many of draft's tokens the model accepts when its next tokens are `coming`."""
-    a = 0
-    while a < len(draft) and a < len(coming) and draft[a] == coming[a]:
-        a += 1
-    return a
-
-
 def _all_accepted(work: list[tuple[list[int], list[int]]], cost: StepCost,
                   drafter: Callable[[], Callable[[list[int], list[int]], int]]) -> Replay:
     """Each request decoded by steps whose drafts are all accepted: drafter() gives a request's
@@ -131,7 +123,7 @@ def perfect_lengths(work: list[tuple[list[int], list[int]]], k: int, match: int,
 
         def accepted(context: list[int], coming: list[int]) -> int:
             found = st.candidate(context, k)
-            a = _agreeing(found[1], coming) if found else 0
+            a = agreeing(found[1], coming) if found else 0
             st.advanced(a + 1)
             return a
         return accepted
@@ -139,25 +131,15 @@ def perfect_lengths(work: list[tuple[list[int], list[int]]], k: int, match: int,
 
 
 def _longest_copy(context: list[int], coming: list[int], k: int) -> int:
-    """The longest prefix of `coming` (at most k tokens) that context holds from some start,
-    a copy running on into the tokens it drafts (as ngram.copy_from continues past the end)."""
-    best, n = 0, len(context)
+    """The longest prefix of `coming` (at most k tokens) that some copy from the context drafts
+    (ngram.copy_from: a copy runs on into the tokens it drafts)."""
     limit = min(k, len(coming))
-    if limit == 0:
-        return 0
-    for start in range(n):
-        if context[start] != coming[0]:
-            continue
-        length = 0
-        while length < limit:
-            at = start + length
-            token = context[at] if at < n else coming[at - n]
-            if token != coming[length]:
-                break
-            length += 1
-        best = max(best, length)
+    best = 0
+    for start, token in enumerate(context):
         if best == limit:
             break
+        if limit and token == coming[0]:
+            best = max(best, agreeing(copy_from(context, start, limit), coming))
     return best
 
 
@@ -195,10 +177,9 @@ def main(args: argparse.Namespace) -> None:
           f"{time.perf_counter() - t0:.0f} s; step costs by rows ({source}) {cost.table}")
     make = lambda: NgramSpeculator(args.k, args.match, CPU_VERIFY_ROWS, cost)  # noqa: E731
     result = {}
+    most = min(args.k, CPU_VERIFY_ROWS - 1)  # the bounds draft what a CPU step may verify
     for name, work in recorded.items():
         r = replay(make, work, args.max_tokens, cost)
-        # the bounds draft at most what a CPU step may verify, as the speculator does
-        most = min(args.k, CPU_VERIFY_ROWS - 1)
         lengths = perfect_lengths(work, most, args.match, cost)
         copy = any_copy(work, most, cost)
         result[name] = {"speedup": r.speedup, "steps": r.steps, "plain_steps": r.tokens,

@@ -19,6 +19,15 @@ def copy_from(token_ids: list[int], start: int, k: int) -> list[int]:
     return out
 
 
+def agreeing(draft: list[int], tokens: list[int]) -> int:
+    """How many of draft's first tokens equal `tokens` (the model's, in order): the drafts a
+    verification accepts."""
+    a = 0
+    while a < len(draft) and a < len(tokens) and draft[a] == tokens[a]:
+        a += 1
+    return a
+
+
 class NgramIndex:
     """Where each n-gram of a token list last ended (the index of the token that followed it)."""
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.ngram import NgramIndex, copy_from
+from backend.engine.ngram import NgramIndex, agreeing, copy_from
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -303,9 +303,7 @@ class NgramSpeculator:
         """How many of seq's drafts the model agrees with (sampled: its k + 1 rows' tokens),
         recorded for the draft's source. The tokens to append are sampled[:accepted + 1]."""
         draft = seq.draft_token_ids
-        a = 0
-        while a < len(draft) and sampled[a] == draft[a]:
-            a += 1
+        a = agreeing(draft, sampled)
         st = seq.spec
         st.records[st.source].record(len(draft), a)
         st.advanced(a + 1)
