@@ -16,7 +16,9 @@ from tests.required import no_cpu_kernels
 def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     """The screened greedy head (backend/model/greedy_head.py) returns, bit for bit, the token
     and logit of linear + argmax: the first index among equal maxima included (tied rows win
-    for row 0), across scales of x; a row that is not finite is handed back (-1)."""
+    for row 0), across scales of x; a row that is not finite is handed back (-1). The kernel
+    takes every row count here; a step of more than the q8 screen's max_rows (one pass of its
+    kernel) is left to the full head: best() returns None."""
     from backend.model.greedy_head import GreedyScreen, argmax_logits
     if not cpu_ops.GREEDY_SCREEN:
         no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
@@ -25,6 +27,9 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     w[n // 2] = w[n - 1] = w[3]  # three equal rows: a tie for the maximum
     screen = GreedyScreen.build(w, cpu_ops, kind)
     assert screen is not None and screen.kind == kind
+    assert screen.max_rows == (cpu_ops.Q8_SCREEN_INPUTS if kind == "q8" else 0)
+    assert cpu_ops.Q8_SCREEN_INPUTS in (4, 8)
+    capped = bool(screen.max_rows) and m > screen.max_rows
     for scale in (0.01, 1.0, 30.0):
         x = torch.randn(m, k, generator=g) * scale
         x[0] = w[3] * 50 * scale  # row 0's maximum is the three-way tie
@@ -35,6 +40,9 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
         assert torch.equal(tokens, want)
         assert torch.equal(values, full.gather(1, want[:, None])[:, 0])
         assert bool((candidates >= 1).all()) and int(candidates[0]) >= 3
+        if capped:
+            assert screen.best(x, w) is None
+            continue
         logits = argmax_logits(*screen.best(x, w), n)
         assert torch.equal(logits.argmax(dim=1), want)
         assert torch.equal(logits.gather(1, want[:, None]), full.gather(1, want[:, None]))
@@ -43,6 +51,8 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     x[m - 1, 5] = float("nan")
     tokens, _, _ = screen.screen(x, w)
     assert tokens[m - 1] == -1 and torch.equal(tokens[:m - 1], cpu_ops.linear(x, w)[:m - 1].argmax(1))
+    if capped:
+        return
     logits = argmax_logits(*screen.best(x, w), n)
     assert not bool(torch.isfinite(logits[m - 1]).any())  # left for the caller's full row
 

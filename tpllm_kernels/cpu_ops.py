@@ -413,6 +413,8 @@ _BF16_GEMV_ROWS = BF16_SMALL_M if _BF16_GEMV else 0
 FUSED_DECODE_BF16_ROWS = _BF16_GEMV_ROWS
 # the screened greedy head (greedy_argmax_screened) runs on the bf16 GEMV's tiles
 GREEDY_SCREEN = _BF16_GEMV and hasattr(_ext, "greedy_argmax_screened")
+# rows greedy_argmax_screened_q8 takes per pass over the int8 head (greedy_head.py caps at it)
+Q8_SCREEN_INPUTS = _ext.q8_screen_inputs() if hasattr(_ext, "q8_screen_inputs") else 0
 
 
 def begin_forward(rows: int, dtype: torch.dtype) -> None:

@@ -102,6 +102,7 @@ class GreedyScreen:
     kind: str  # "q8" or "bf16" (module doc)
     copies: tuple[torch.Tensor, ...]  # the kernel's arguments after (x, weight)
     screened: Callable  # ops.greedy_argmax_screened_q8 or ops.greedy_argmax_screened
+    max_rows: int = 0  # best() screens steps of at most this many rows (0: any the kernel takes)
     rows: int = 0  # rows screened so far
     candidates: int = 0  # of them, logits recomputed in float32
 
@@ -127,7 +128,8 @@ class GreedyScreen:
             if not bool(torch.isfinite(weight).all()):
                 return None
             if kind == "q8":
-                return cls(kind, q8_copy(weight), screened)
+                return cls(kind, q8_copy(weight), screened,
+                           max_rows=getattr(ops, "Q8_SCREEN_INPUTS", 0))
             low = _host_zeros(tuple(weight.shape), torch.bfloat16, weight).copy_(weight)
             eps = screening_eps(weight.shape[1])
             coef = torch.cat([(w.double().norm(dim=1) * eps).float()
@@ -143,8 +145,19 @@ class GreedyScreen:
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each row's argmax over `weight`'s rows and its exact logit (tokens -1 for a row that
         is not finite: the bound needs finite values); None where the kernel does not take x
-        (more rows than its GEMV's). Which rows fail depends on x alone: under TP every rank
-        (same x) fails the same ones."""
+        (more rows than its GEMV's) or x has more than max_rows rows. Which rows fail depends
+        on x alone: under TP every rank (same x) fails the same ones.
+
+        Why q8 stops at max_rows (one pass of its kernel over the head: 8 rows on AVX-512, 4 on
+        AVX2): each further pass reads the head again, and the full head in float32 from its
+        block copy (linear, then argmax) is then as fast or faster, with the same token and
+        logit. SmolLM2's head, 2 threads, caches cold, AMD EPYC Zen 4 (2026-12-05), screen vs
+        linear + argmax: 1 row 1.2 vs 2.4 ms, 4: 2.2 vs 2.9, 8: 4.2 vs 4.2, 9: 4.7 vs 4.7,
+        12: 6.2 vs 5.7, 16: 10.0 vs 7.6, 32: 19.4 vs 13.7, 48: 28.4 vs 19.9; with the avx2
+        kernels 4 rows 2.3 vs 2.4, 8: 4.2 vs 3.7, 16: 10.7 vs 9.3. (The bf16 copy's kernel
+        is faster than linear at every row count measured, 1-32: no cap.)"""
+        if self.max_rows and x.shape[0] > self.max_rows:
+            return None
         got = self.screen(x, weight)
         if got is None:
             return None

@@ -55,6 +55,17 @@ struct Bf16Tile {
 }  // namespace
 #endif
 
+#if defined(TPLLM_SIMD16)
+// Inputs per pass of greedy_argmax_screened_q8 over the int8 head. AVX-512 takes 8 (its 32
+// registers hold 8 accumulators; 8 rows of SmolLM2's head, 2 threads, Zen 5: 2.75 ms as two
+// passes of 4, 2.65 as one), AVX2 4.
+constexpr int kQ8ScreenInputs = simd::kRegsPerVec == 1 ? 8 : 4;
+#else
+constexpr int kQ8ScreenInputs = 8;
+#endif
+
+int64_t q8_screen_inputs() { return kQ8ScreenInputs; }
+
 bool bf16_gemv_supported() {
 #if defined(__AVX512BF16__) || defined(TPLLM_SIMD16)
   return true;
@@ -300,9 +311,8 @@ std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Ten
   float* ap = approx.data_ptr<float>();
   // as small_m::gemm's row-by-row path: each int8 row read once, in memory order, per thread
   // chunk of >= ~64 KB; up to kInputs inputs per pass over the row (more read it again from
-  // L1 and widen its int8 again). AVX-512 takes 8 (its 32 registers hold 8 accumulators; 8
-  // rows of SmolLM2's head, 2 threads, Zen 5: 2.75 ms as two passes of 4, 2.65 as one), AVX2 4.
-  constexpr int kInputs = simd::kRegsPerVec == 1 ? 8 : 4;
+  // L1 and widen its int8 again): kQ8ScreenInputs
+  constexpr int kInputs = kQ8ScreenInputs;
   team::parallel_for(0, V, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < B; m0 += kInputs)

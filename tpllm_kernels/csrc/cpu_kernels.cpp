@@ -766,6 +766,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("small_m_linear_bf16", &small_m_linear_bf16);
   m.def("bf16_gemv_supported", &bf16_gemv_supported);
+  m.def("q8_screen_inputs", &q8_screen_inputs);
   m.def("greedy_argmax_screened", &greedy_argmax_screened);
   m.def("greedy_argmax_screened_q8", &greedy_argmax_screened_q8);
   bind_decode_layer(m);

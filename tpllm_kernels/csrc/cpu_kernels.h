@@ -36,6 +36,8 @@ void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
                                  const torch::Tensor& kv_index, int64_t num_splits,
                                  torch::Tensor& out);
 bool bf16_gemv_supported();
+// inputs greedy_argmax_screened_q8 takes per pass over the head (8 AVX-512, 4 AVX2)
+int64_t q8_screen_inputs();
 torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
                                   c10::optional<torch::Tensor> bias);
 void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weight,
