@@ -41,13 +41,12 @@ inline void touch_lines(const T* p, int64_t n) {
 // order 30.3 vs 46.0 ms, scattered 38.4 vs 63.7; one sequence of 1088 tokens 1.8 vs 2.7 ms.
 // Spread but into L1: 39-41 / 54-57 ms; into L2 three or four ahead: 32-33 / 41-42; three
 // ahead without the in-order touch pass (touch_lines): 36.5 / 41.8.
-template <typename T>
 struct SpreadPrefetch {
   const char* next = nullptr;
   int64_t lines_left = 0;
-  void start(const T* block, int64_t elems) {
-    next = reinterpret_cast<const char*>(block);
-    lines_left = (elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  void start(const void* block, int64_t lines) {
+    next = static_cast<const char*>(block);
+    lines_left = lines;
   }
   inline void step(int64_t lines) {
     for (lines = std::min(lines, lines_left); lines > 0; --lines, --lines_left, next += 64)
@@ -138,24 +137,25 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
   // pass 1 a share of its lines before each score tile, in pass 2 before each V row.
   constexpr int64_t kAhead = 2;
   constexpr int GMAX = kRegsPerVec == 1 ? 4 : 1;  // pass 2's heads in registers at a time
-  const int64_t block_elems = BS * row, block_lines = (block_elems * sizeof(T) + 63) / 64;
+  const int64_t block_lines = (BS * row * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t k_tiles = Hq * ((BS + 15) / 16);  // pass 1's score tiles in a block
   int64_t v_tiles = 0;  // pass 2's head tiles across the KV heads
   for (int64_t kh = 0; kh < Hkv; ++kh)
     v_tiles += (group_start[kh + 1] - group_start[kh] + GMAX - 1) / GMAX;
-  const int64_t k_share = (block_lines + Hq * ((BS + 15) / 16) - 1) / (Hq * ((BS + 15) / 16));
+  const int64_t k_share = (block_lines + k_tiles - 1) / k_tiles;
   const int64_t v_share = (block_lines + v_tiles * BS - 1) / std::max<int64_t>(1, v_tiles * BS);
-  SpreadPrefetch<T> pf;
+  SpreadPrefetch pf;
   for (int64_t b = 0; b < std::min(kAhead, nblk); ++b) {
-    pf.start(kp + table[blk_begin + b] * block_stride, block_elems);
+    pf.start(kp + table[blk_begin + b] * block_stride, block_lines);
     pf.finish();
   }
   // pass 1: scores; the K blocks kAhead on, then the first V blocks, are prefetched meanwhile
   for (int64_t b = 0; b < nblk; ++b) {
     pf.finish();
     if (b + kAhead < nblk)
-      pf.start(kp + table[blk_begin + b + kAhead] * block_stride, block_elems);
+      pf.start(kp + table[blk_begin + b + kAhead] * block_stride, block_lines);
     else if (b + kAhead - nblk < nblk)
-      pf.start(vp + table[blk_begin + b + kAhead - nblk] * block_stride, block_elems);
+      pf.start(vp + table[blk_begin + b + kAhead - nblk] * block_stride, block_lines);
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* kblk = kp + table[blk] * block_stride;
@@ -183,7 +183,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
   // its 8 accumulator registers fill half of the 16; the V rows come again from L1 per head)
   for (int64_t b = 0; b < nblk; ++b) {
     pf.finish();
-    if (b + kAhead < nblk) pf.start(vp + table[blk_begin + b + kAhead] * block_stride, block_elems);
+    if (b + kAhead < nblk) pf.start(vp + table[blk_begin + b + kAhead] * block_stride, block_lines);
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* vblk = vp + table[blk] * block_stride;
