@@ -138,7 +138,7 @@ def _longest_copy(context: list[int], coming: list[int], k: int) -> int:
     for start, token in enumerate(context):
         if best == limit:
             break
-        if limit and token == coming[0]:
+        if token == coming[0]:  # (limit > 0 here: a limit of 0 broke out above)
             best = max(best, agreeing(copy_from(context, start, limit), coming))
     return best
 
