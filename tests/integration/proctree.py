@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 
 from backend.serve import child_pids
@@ -56,6 +57,15 @@ def identities(pids) -> set[tuple[int, int]]:
 def still_alive(ids: set[tuple[int, int]]) -> list[tuple[int, str, str]]:
     """The processes of `ids` that still exist (zombies included): (pid, state, cmdline)."""
     return [(p, state(p), cmdline(p)) for p, t in ids if start_time(p) == t]
+
+
+def left_after(ids: set[tuple[int, int]], timeout: float = 30.0) -> list[tuple[int, str, str]]:
+    """still_alive(ids), polled until it is empty or `timeout` s have passed: a process that
+    exited is reaped by its parent a moment later, later still on a slow or loaded host."""
+    deadline = time.monotonic() + timeout
+    while (left := still_alive(ids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def role(pid: int) -> str:

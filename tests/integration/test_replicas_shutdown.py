@@ -89,8 +89,7 @@ def test_signal_with_streams_in_flight(start_server, sig):
         c.close()
     assert all(e is not None for e in endings), endings
     assert srv.proc.wait(60) == 0, srv.log()
-    time.sleep(0.5)
-    left = proctree.still_alive(ids)
+    left = proctree.left_after(ids)
     assert left == [], [(roles[p], p, st) for p, st, _ in left]  # no orphan, no zombie
     assert srv.group_alive() == [], srv.log()
     assert [s for s in shm if os.path.exists(s)] == [], "shared memory left behind"
