@@ -26,14 +26,11 @@ _ext = load()
 
 # Up to this many rows a float32 linear streams its weight once in C++ (small_m_gemm.h); more:
 # GEMM_LIBRARY's GEMM, from the packed copy the engine keeps for its full decode batch (which
-# serves prefill chunks too). SmolLM2's 120 layer linears, 2 threads, weights from DRAM, AMD EPYC
-# Zen 4, 2026-12-04 (C++ with block copies vs oneDNN from a packed copy): 32 rows 48.4 vs 45.8
-# ms, 48 rows 69.2 vs 65.9, 64 rows 104.6 vs 84.4; capped at AVX2 (C++ avx2, oneDNN AVX2) 48
-# rows 79.9 vs 90.1, 64 rows 108.2 vs 95.0. In the engine (64 x 256 in / 128 out, the decode
-# steps of `bench offline`'s (b)), C++ vs oneDNN: 48 rows 138 vs 155 ms a step, 56 rows 173
-# vs 143, 64 rows 195 vs 162. (With MKL, the library until 2026-12-03, the C++ GEMV was
-# faster up to 64 rows: 84-118 ms a 64-row step against 111-147 at 32 from MKL; MKL, still the
-# library on an Intel CPU with AVX-512, keeps 64.) Set below GEMM_LIBRARY.
+# serves prefill chunks too). The cut-over is where oneDNN from its packed copy overtakes the
+# single weight stream; with MKL (slower on these shapes) the C++ GEMV stays ahead up to 64 rows.
+# A row's bits depend on its batch only above the cut-over, which speculative decoding's token
+# identity relies on. Set by the decode steps of `python -m client bench offline` (see
+# docs/decisions.md, "The C++ GEMV takes up to 48 rows"). Defined below GEMM_LIBRARY.
 BF16_SMALL_M = 2  # the same for bf16 (cpu_gemv_bf16.cpp); more: oneDNN
 rotary = _ref.rotary
 write_kv = _ref.write_kv
@@ -52,9 +49,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy), each block once, and splits
     # long contexts of short batches across threads; head_dim 64 has its own two-pass kernel
-    # (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches). AVX-512 host, 2 threads,
-    # float32, per layer (9 q / 3 kv heads): B=1 x 1088 tokens 55 us cache-warm, 106 us inside a decode step (portable step: 79 / 123 us);
-    # B=64 x 320 tokens 1.05 ms (portable 1.34; gather + SDPA took 3.4 ms).
+    # (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches). Gathering the blocks and
+    # calling SDPA copied every sequence's whole context each layer: about 3x the kernel's time.
     if q.dtype not in _STORAGE:
         return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
     if kv_index is None:
@@ -72,7 +68,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
                       kv_index: torch.Tensor | None = None) -> torch.Tensor:
     # float32, head_dim 64, AVX2/AVX-512: register-tiled C++ over the paged cache, a cached prefix
-    # included (csrc/prefill_attention.cpp: 1.2-1.9x SDPA's speed). Else torch's SDPA.
+    # included (csrc/prefill_attention.cpp says why it beats SDPA). Else torch's SDPA.
     if (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and _fast_prefill(q.shape[-1])
             and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
         if kv_index is None:
@@ -95,18 +91,16 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # Decode steps: the C++ kernel reads each weight once at ~26 GB/s where MKL reached ~22
-    # (2 threads; SmolLM2's 121 GEMVs 19.5 vs 22.6 ms; 1 thread 37.9 vs 40.7; M = 4..32 rows
-    # 0.6-0.9x MKL's time); beyond SMALL_M rows (top of the file) GEMM_LIBRARY's GEMM is
-    # faster, from the packed copy where the engine keeps one.
+    # Decode steps: the C++ kernel reads each weight once, closer to the memory's bandwidth than
+    # a library GEMM, which packs the weight per call; beyond SMALL_M rows (top of the file)
+    # GEMM_LIBRARY's GEMM is faster, from the packed copy where the engine keeps one.
     if _small_m_f32(x, weight):
         if (copy := _block_copy(x, weight)) is not None:  # exact (cpu_blocks.py)
             return _block_linear_into(x, copy, bias, x.new_empty(x.shape[0], weight.shape[0]))
         return _ext.small_m_linear(x, weight, bias)
     # bf16 decode of 1-2 rows: each weight row read once, AVX512-BF16 dot products or (AVX2,
-    # AVX-512) FMAs on rows widened as loaded (csrc/cpu_gemv_bf16.cpp). SmolLM2's 120 layer
-    # GEMVs, 2 threads, AVX512-BF16: 12.6 vs oneDNN's 21.5 ms at one row, 16.3 vs 21.0 at two;
-    # from three rows oneDNN is as fast or faster.
+    # AVX-512) FMAs on rows widened as loaded (csrc/cpu_gemv_bf16.cpp). It beats oneDNN at one
+    # and two rows; from three oneDNN is as fast or faster (docs/decisions.md, bf16 GEMV).
     if _BF16_GEMV and _small_m_bf16(x, weight):
         return _ext.small_m_linear_bf16(x, weight, bias)
     if (packed := _packed_copy(x, weight)) is not None:
@@ -190,8 +184,8 @@ def _packed_copy(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """linear(x, weight) written into `out` (contiguous [rows, N]) and returned: a row-parallel
     layer's partial sum straight into its shared-memory all-reduce slot. For a prefill's GEMM
-    this saves the copy into the slot (1024 x 576 float32 took ~370 us: ~22 ms per SmolLM2 TP2
-    prefill), and with the C++ GEMV a decode step's lm_head shard straight into its logits
+    this saves a copy into the slot per all-reduce (docs/decisions.md, Tensor parallelism), and
+    with the C++ GEMV a decode step's lm_head shard straight into its logits
     gather slot. Other shapes (bf16 GEMV, packed copy, oneDNN's GEMM: it has no output
     argument) compute as linear() does, then copy."""
     if out.is_contiguous() and x.dtype == weight.dtype:
@@ -244,16 +238,10 @@ def _gemm_library() -> str:
     decode batches): TPLLM_CPU_GEMM (mkl | onednn), else by the CPU: MKL on an Intel CPU with
     AVX-512 (its default before; not measured against oneDNN there), oneDNN everywhere else.
     MKL picks its code path by the CPU's vendor as well as its flags: on AMD it ran at about
-    AVX2 speed even with AVX-512.
-    Measured, 2 threads, SmolLM2's shapes, both libraries in one process:
-    - AMD EPYC Zen 5 (AVX-512): oneDNN 339-378 GFLOP/s at 512 rows where MKL reached 118-173,
-      208-279 vs 85-142 at 64 rows; a 1024-token prefill 0.89-1.10 s vs 1.54-1.90 s.
-    - AMD EPYC Zen 3, AVX2 only: oneDNN 125-143 GFLOP/s where MKL's sgemm reached 101-136, and
-      on the wide GEMMs MKL falls far behind (gate_up 576 -> 3072: 101 vs 140; lm_head 69 vs
-      108; at 64 rows 51 vs 88 and 46 vs 75).
-    - AMD EPYC Zen 4 (AVX-512) ran MKL (197 GFLOP/s at 64 rows, 271 from its packed copy)
-      before oneDNN was measured on an AVX-512 AMD; an Intel CPU has not been measured with
-      oneDNN (TPLLM_CPU_GEMM=onednn python -m client bench offline, against the default)."""
+    AVX2 speed even with AVX-512. oneDNN was faster on AMD with AVX2 and with AVX-512, in
+    prefill and in large decode batches (docs/decisions.md, "oneDNN, not MKL"). An Intel CPU
+    has not been measured with oneDNN: compare `TPLLM_CPU_GEMM=onednn python -m client bench
+    offline` against the default there."""
     forced = os.environ.get(GEMM_ENV, "").strip().lower()
     if forced:
         if forced not in ("mkl", "onednn"):
@@ -281,11 +269,9 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
     dtype, no such library).
 
     Why: a full decode batch (64 rows) reads every weight from memory each step, and a GEMM
-    packs each weight again per call: SmolLM2's 121 linears + lm_head at 64 rows took 87 ms
-    (~197 GF/s, 2 threads, AVX-512 host, MKL); from MKL's packed copies 64 ms (~271 GF/s). On
-    the AVX2 host, SmolLM2's layer GEMMs at 64 rows, weights cached: oneDNN 212 ms per 30
-    layers, its packed copy 172 ms; weights from DRAM (as in a decode step) 186-190 vs 172-188.
-    It costs a second copy of the weights."""
+    packs each weight again per call; from a packed copy it skips that work, with MKL and with
+    oneDNN (`python -m client bench offline`; docs/decisions.md, "Packed weight copies"). It
+    costs a second copy of the weights."""
     if rows <= SMALL_M or weight.dtype != torch.float32 or weight.dim() != 2:
         return 0
     if GEMM_LIBRARY == "onednn":
@@ -380,8 +366,8 @@ def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # One pass with a vectorized exp; torch's silu-then-mul is two passes over a strided half
-    # (2 threads, 2048 rows of 1536: 1.5 vs 1.6 ms; 64 rows: 119 vs 179 us).
+    # One pass with a vectorized exp; torch's silu-then-mul is two passes over a strided half,
+    # which costs most at decode's few rows.
     if gate_up.dtype not in _STORAGE or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return _ref.silu_mul(gate_up)
     return _ext.silu_mul(gate_up)

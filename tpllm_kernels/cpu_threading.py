@@ -10,11 +10,10 @@ decode batches) runs them on torch's OpenMP threads, and unless OMP_WAIT_POLICY=
 GOMP_SPINCOUNT=0) libgomp's workers spin for milliseconds after each GEMM: on a core they
 would share with a team worker through every attention, norm and activation in between. So
 in the team mode such a pass sends its loops to OpenMP as well (place_loops), and a pass the
-C++ kernels run whole (decode steps up to SMALL_M rows) keeps the team. Measured, 64-row
-decode steps of `bench offline`'s (b) with each step's mode alternated in one run (AMD EPYC
-Zen 4, 2 threads, 2026-12-04): OpenMP unset 185 ms a step on the team vs 170 on OpenMP;
-OMP_WAIT_POLICY=PASSIVE (the server's) 201 on the team vs 219 on OpenMP, where each OpenMP
-loop wakes sleeping workers: there the team keeps them."""
+C++ kernels run whole (decode steps up to SMALL_M rows) keeps the team. Under
+OMP_WAIT_POLICY=PASSIVE (the server's) each OpenMP loop wakes sleeping workers, so there the
+team keeps them. Measured on the 64-row decode steps of `python -m client bench offline`, each
+step's mode alternated (docs/decisions.md, "GEMM passes run their loops on OpenMP")."""
 from __future__ import annotations
 
 import os

@@ -3,8 +3,8 @@
 // (bf16 rows widened as they are loaded), and the softmax row the prefill attention shares.
 //
 // Why: the portable block step (cpu_kernels.cpp, block_group_fast) sums each token's score with
-// its own 16-lane horizontal reduction and runs the softmax in scalar code; one thread spent
-// ~160 us per SmolLM2 layer at 1088 tokens, twice the time its 1.67 MB of KV take to stream.
+// its own 16-lane horizontal reduction and runs the softmax in scalar code: about twice the
+// time its KV bytes take to stream.
 // Here 16 tokens' partial dot products are transposed and summed together (a few shuffles and
 // adds instead of 16 reductions), and max, exp and sum run on whole vectors.
 #pragma once
@@ -21,10 +21,8 @@ namespace simd {
 // Reads one byte of every cache line of p[0, n) in address order. The block loops below read a
 // block head by head (rows `row` apart, a head's 64 columns each), an order the hardware
 // prefetchers do not follow; touching the block in order first streams it at close to a plain
-// read's rate (a standalone copy of the access pattern, 2 threads, AMD EPYC Zen 4: 21-22 GB/s
-// touched first vs 9-12 GB/s head by head; a plain in-order read 23-25). The kernel itself, 30
-// layers' caches cold: 64 sequences x 270 tokens 45-56 vs 66-82 ms, one of 1088 tokens 2.6-3.7
-// vs 3.0-4.3 ms (the machine shared with another job: interleaved runs).
+// read's rate, about twice the head-by-head rate (docs/decisions.md, "Decode attention touches
+// each K/V block in address order first").
 template <typename T>
 inline void touch_lines(const T* p, int64_t n) {
   const volatile char* c = reinterpret_cast<const volatile char*>(p);
@@ -34,13 +32,10 @@ inline void touch_lines(const T* p, int64_t n) {
 
 // Prefetches one KV block into L2 a few cache lines at a time, spread over the compute of the
 // block before it. Why spread, and why L2: a block's 192 prefetches issued at once (into L1, two
-// blocks ahead, as this kernel did until 2026-12-05) wait on the core's few outstanding misses
-// before any arithmetic runs, and L1 (32 KB on Zen 4) cannot hold the block being read plus two
-// 12 KB blocks in flight. SmolLM2's 30 layers, 64 sequences x 320 tokens, caches cold, 2
-// threads, AMD EPYC Zen 4, alternating in one process (same bits out; medians of 6): blocks in
-// order 30.3 vs 46.0 ms, scattered 38.4 vs 63.7; one sequence of 1088 tokens 1.8 vs 2.7 ms.
-// Spread but into L1: 39-41 / 54-57 ms; into L2 three or four ahead: 32-33 / 41-42; three
-// ahead without the in-order touch pass (touch_lines): 36.5 / 41.8.
+// blocks ahead) wait on the core's few outstanding misses before any arithmetic runs, and a
+// 32 KB L1 cannot hold the block being read plus two 12 KB blocks in flight. Spread into L1, or
+// into L2 three or four blocks ahead, or without the in-order touch pass (touch_lines) were all
+// slower, with the same bits out (docs/decisions.md, "...and prefetches the block two ahead").
 struct SpreadPrefetch {
   const char* next = nullptr;
   int64_t lines_left = 0;
@@ -109,8 +104,8 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 //
 // Why two passes: a per-block online softmax runs a max, an exp and two reductions per 16
 // tokens per head, a latency chain of a few hundred cycles each time, and rescales the
-// accumulators; with 64 sequences x 320 tokens the attention streamed KV at 19.5 GB/s where a
-// plain read of the same bytes reaches 26.7 (AVX-512 host). One softmax per head per task
+// accumulators; with 64 sequences x 320 tokens the attention streamed KV well below a plain
+// read of the same bytes. One softmax per head per task
 // leaves the FMAs. scores: scratch, resized here to Hq x (tokens rounded up to 16).
 // head_len (nullable): head h sees only the first head_len[h] <= L tokens. The rows of one
 // sequence verifying drafts come as one task this way, each row's heads as heads of their own

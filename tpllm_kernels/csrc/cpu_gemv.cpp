@@ -1,9 +1,9 @@
 // The small-batch linear y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for float32 decode steps.
 //
 // With a few rows of x the product is bound by streaming W from memory once. MKL's sgemv/sgemm
-// for M = 1 reached ~21.5 GB/s with 2 threads on this VM (SmolLM2's 121 decode GEMVs: 24.5 ms);
-// this kernel reads each weight row once, in memory order, straight into 16-lane FMA accumulators
-// (one per x row; small_m_gemm.h's FmaTile, AVX-512 or AVX2): ~28-29 GB/s (AMD EPYC Zen 4).
+// stayed well below the memory's bandwidth; this kernel reads each weight row once, in memory
+// order, straight into 16-lane FMA accumulators (one per x row; small_m_gemm.h's FmaTile,
+// AVX-512 or AVX2), close to a plain read's rate (docs/decisions.md, Decode kernels).
 // Every y[m, n] is summed in the same order whatever M and the thread split are: a sequence's
 // logits do not depend on what else is in its batch (below the size where the caller switches
 // to the GEMM).

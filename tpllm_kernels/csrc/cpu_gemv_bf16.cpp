@@ -57,8 +57,7 @@ struct Bf16Tile {
 
 #if defined(TPLLM_SIMD16)
 // Inputs per pass of greedy_argmax_screened_q8 over the int8 head. AVX-512 takes 8 (its 32
-// registers hold 8 accumulators; 8 rows of SmolLM2's head, 2 threads, Zen 5: 2.75 ms as two
-// passes of 4, 2.65 as one), AVX2 4.
+// registers hold 8 accumulators; one pass of 8 beat two passes of 4), AVX2 4.
 constexpr int kQ8ScreenInputs = simd::kRegsPerVec == 1 ? 8 : 4;
 #else
 constexpr int kQ8ScreenInputs = 8;
@@ -161,8 +160,8 @@ std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* vp = values.data_ptr<float>();
   int64_t* cp = candidates.data_ptr<int64_t>();
-  // a row per task (verify steps screen up to 8; 4 rows of SmolLM2's head 1.2 -> 1.05 ms on
-  // Zen 5, 2 threads): a row's passes are serial, so its token does not depend on the split
+  // a row per task (verify steps screen up to 8; docs/decisions.md, "The int8 head screen"):
+  // a row's passes are serial, so its token does not depend on the split
   team::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xr = xf + b * K;
@@ -197,8 +196,8 @@ std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int
 // approx of M inputs (x rows K apart) against one int8 head row (q8 screen below): per group of
 // 32, (w0 x0 + w1 x1) * scale added to the input's accumulator; M fixed at compile time so the
 // accumulators stay in registers. mm < M takes the M - 1 version (a pass's last inputs).
-// (Scaling the widened weights once per group, 2 FMAs per input instead of 3 ops: 8 rows 0.2
-// ms faster, 1 and 4 rows 0.1-0.15 ms slower on Zen 5.)
+// (Scaling the widened weights once per group, 2 FMAs per input instead of 3 ops, was not kept:
+// faster only at 8 rows, slower at the 1-4 rows most steps screen.)
 template <int M>
 inline void q8_screen_rows(int mm, const int8_t* qr, const float* sr, const float* x, int64_t K,
                            float* out, int64_t V) {

@@ -196,9 +196,8 @@ void linear_into(const char* name, const torch::Tensor& x, const torch::Tensor& 
 
 // The most input rows for which the float32 linear reads the copy rather than the weight: the
 // rebuild is paid once per 4 inputs (AVX-512) or per input (AVX2), and from 32 rows on AVX2
-// the float32 GEMV was as fast (SmolLM2's q/o/up/down GEMVs, 2 threads, avx2 variant on an
-// AMD EPYC Zen 5: 32 rows 42.4 vs 41.5 ms, 64 rows 76.2 vs 71.6; 16 rows 17.6 vs 23.5; the
-// avx512 variant 30.5 vs 35.2 at 64)
+// the float32 GEMV was as fast, while AVX-512 stays ahead at 64 (docs/decisions.md, "Exact
+// GGUF block copies")
 int64_t block_copy_max_rows() {
 #if defined(TPLLM_SIMD16)
   return simd::kRegsPerVec == 1 ? INT64_MAX : 16;

@@ -17,7 +17,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias);
 // The *_into forms write a preallocated output (a fused decode step's workspace): between
-// layers, with its code gone cold after the GEMVs, each tensor allocation cost ~5 us.
+// layers, with its code gone cold after the GEMVs, each tensor allocation was a visible cost.
 void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
                          const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
 // small_m_linear_into from a weight's exact 4-bit or 8-bit block copy (cpu_gemv_blocks.cpp):

@@ -4,8 +4,8 @@
 // when the all-reduces go through Python, e.g. over gloo).
 //
 // Why: the same kernels called one by one from Python cost ~10 Python-level calls per layer,
-// and each one, with the caches just flushed by the weight stream, took 5-30 us beyond its own
-// work (rotary + KV write of one token: ~30 us). The arithmetic is exactly the modular path's:
+// and each one, with the caches just flushed by the weight stream, cost about as much again as
+// its own work for one token. The arithmetic is exactly the modular path's:
 // the same kernels in the same order, so results are bit-identical to it.
 #include "cpu_kernels.h"
 
@@ -42,7 +42,7 @@ void linear_into(const torch::Tensor& x, const Weight& weight,
 }
 
 // A decode step's intermediates for B rows, allocated once per call of a whole stack instead of
-// in every layer (each allocation there cost ~5 us: its code gone cold after the GEMVs). q and
+// in every layer (an allocation there is slow: its code gone cold after the GEMVs). q and
 // attn2d are views made once too. Layers of one model share the shapes.
 struct Workspace {
   torch::Tensor qkv, q, attn, attn2d, o, gate_up, h, down;
@@ -67,7 +67,7 @@ struct Workspace {
 };
 
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
-// per-step tensors (pybind's conversion of ~18 arguments per call was itself ~10 us).
+// per-step tensors (pybind's conversion of ~18 arguments per call was itself a visible cost).
 struct DecodeLayer {
   torch::Tensor norm1, norm2, k_cache, v_cache, kv_index;
   Weight qkv_w, o_w, gate_up_w, down_w;
@@ -142,7 +142,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool, double> collect(
   if (!coll.has_value()) return {half[0], half[1], true, 0.0};
   const auto& [slots, flags, rank, seq, spins] = *coll;
   const auto t0 = std::chrono::steady_clock::now();
-  // summed in place: an allocation here cost ~5 us (its code gone cold after the layer's GEMVs)
+  // summed in place: an allocation here is slow (its code gone cold after the layer's GEMVs)
   torch::Tensor out = half[0];
   const bool arrived = shm_all_reduce_into(half[0], out, slots, flags, rank, seq, spins);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -152,7 +152,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool, double> collect(
 // Every layer of a tensor-parallel rank's decode step, halves [start, 2 * layers) (half 2i is
 // layer i's attention, 2i + 1 its MLP), each ending in its shared-memory all-reduce: the k-th
 // half run uses collective seq0 + k in buffers[(seq0 + k) % 2]. As decode_stack, without a
-// return to Python between layers (TP2 made 60 of them per step, ~10-20 us each). Returns
+// return to Python between layers (TP2 made 60 of them per step; docs/decisions.md,
+// "The whole TP decoder stack is one C++ call per rank"). Returns
 // {x, residual, halves run, arrived, seconds in collectives}. If a peer was late past the spins
 // (arrived false), x is the last half's posted partial: the caller waits its liveness-checking
 // way, sums, adds that half's bias and calls again from the next half.
@@ -210,8 +211,8 @@ void bind_decode_layer(pybind11::module& m) {
                            weight(o_w, 1), weight(gate_up_w, 2), weight(down_w, 3), qkv_b, o_b,
                            gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
       }));
-  // Without the GIL: a decode step is ~20-25 ms in here, and the serving process has other
-  // Python threads (the Triton adapter's response thread) that need not wait for it.
+  // Without the GIL: a decode step spends nearly all its time in here, and the serving process
+  // has other Python threads (the Triton adapter's response thread) that need not wait for it.
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_stack_tp", &decode_stack_tp,
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -2,14 +2,14 @@
 // 64; written once against simd::F16: AVX-512, or AVX2 + FMA with register tiles half as wide):
 // the prefill counterpart of paged_decode_attention.
 //
-// Why: torch's CPU flash SDPA ran SmolLM2's prefill attention at ~95-170 GFLOP/s (causal FLOPs;
-// ~27% of a 1024-token time to first token) and needs a cached prefix gathered into a copy.
+// Why: torch's CPU flash SDPA ran well below the GEMM rate (a large share of a long prompt's
+// time to first token) and needs a cached prefix gathered into a copy.
 // Here both products are tiled like a GEMM. Scores: 6 rows x 32 keys in registers, the keys
 // transposed once per KV head so a key chunk is two vector loads per dim and each query value a
 // broadcast. Then one exact softmax per row over all its keys (no online rescaling). Then P.V:
 // 6 rows x 64 columns in registers, per chunk of 32 V rows that stays in L1 for all the task's
-// rows. 2 threads, 9 q / 3 kv heads: 256 tokens 0.42 vs SDPA's 0.80 ms, 1024: 5.8 vs 8.8 ms,
-// 2048: 24.8 vs 29.0 ms (AVX-512). (head_dim 128 was slower than SDPA with this tiling: not used.)
+// rows. Faster than SDPA from 256 to 2048 tokens (docs/decisions.md, "Prefill attention in
+// C++"). (head_dim 128 was slower than SDPA with this tiling: not used.)
 // Every sum runs in the same order on both ISAs (same bits); AVX2 has 16 registers, not 32, so
 // a score tile there is 6 rows x 16 keys and the P.V tile 6 rows x 16 columns at a time.
 //
@@ -40,7 +40,7 @@ constexpr int kPos = 8;    // query positions per task
 
 // Both tiles hold their accumulators as hardware registers (simd::Nat: one zmm, or one ymm on
 // AVX2), not as F16s: GCC spilled AVX2's arrays of two-register F16s to the stack on every
-// iteration (1024-token prefill, 2 threads, AMD EPYC Zen 3: 29 ms a layer, 41 GFLOP/s). Each
+// iteration, at less than half the speed (docs/decisions.md, "AVX2 register tiles"). Each
 // lane's sums are the same either way.
 constexpr int kKeyRegs = 16 * kTileVecs / kNatLanes;  // registers per row of a score tile: 2
 // registers per row of a P.V tile: all 64 columns of head_dim 64 on AVX-512 (4 zmm: 24 of its

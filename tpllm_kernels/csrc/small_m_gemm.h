@@ -105,10 +105,9 @@ struct FmaTile {
 // window runs far enough ahead for the hardware prefetchers, and prefetching cost up to 5% there.
 // With more inputs a row takes proportionally more instructions, the window covers less of the
 // stream, and the loads wait on DRAM: the multiply and the memory reads no longer overlap.
-// SmolLM2's decode GEMVs + lm_head (cpu_ops.linear, 2 threads, AMD EPYC Zen 4, interleaved in
-// one process), without -> with: 3 inputs 25.4 -> 18.3 ms (1 input: 17.7), 4: 27.7 -> 19.3,
-// 5: 29.0 -> 21.0, 6: 37.4 -> 22.9, 8 (tiles): 40.9 -> 36.3, 16: 54.5 -> 48.6. Two and three
-// float32 rows of K = 576 ahead measured alike; a span's own size ahead was no better.
+// With the prefetch, 3 to 6 inputs cost little more than one (docs/decisions.md, "L2 prefetch
+// 4.5 KB ahead"). Two and three float32 rows of K = 576 ahead measured alike; a span's own
+// size ahead was no better.
 constexpr int64_t kPrefetchAhead = 4608;  // bytes
 constexpr int64_t kPrefetchMinInputs = 3;
 
@@ -140,12 +139,8 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // Up to 8 inputs: one weight row at a time, in memory order, so the
   // weights stream as one sequential read per thread chunk (a second group of inputs reads the
   // row again from L1). 4-row tiles read 4 interleaved streams, which the hardware prefetchers
-  // followed worse: SmolLM2's 121 decode GEMVs at one row (538 MB, 2 threads, AMD EPYC Zen 4)
-  // took 21.5 ms in tiles, 18.2-19.0 ms row by row (25.0 vs 28.3-29.6 GB/s, interleaved runs
-  // of a standalone copy). With the prefetch above, the same GEMVs + lm_head through
-  // cpu_ops.linear, 7 and 8 inputs row by row: 24.3 / 25.1 ms, against 18.2 for 1 input and
-  // 23.3 for 6 in the same run; in 4-row tiles, another run: 32.3 / 33.4, against 13.2 for 1
-  // input and 22.6 for 6. 9 inputs (tiles): 36.0-36.9.
+  // followed worse: row by row streamed faster at one input, and with the prefetch above 7 and
+  // 8 inputs stay close to 6, where tiles fall behind (docs/decisions.md, "Up to 8 input rows").
   // More inputs: 4-row tiles, where each input vector loaded serves 4 rows. Each y[m, n] is
   // summed the same way in both (its own accumulator, k in order): M changes no row's result.
   constexpr int64_t kRowByRowInputs = 8;
@@ -162,8 +157,8 @@ void gemm(const W* w, const X* x, int64_t M, int64_t K, int64_t N, float* y) {
   // whole cache line per input row. Written straight to y, each tile put 4 floats in each of
   // M rows N floats apart: when N * 4 bytes is a multiple of 4 KB (lm_head 49152, gate_up 3072)
   // those M lines all fall in one L1 (and L2) set, and with M above its 8 ways every tile
-  // missed on each of them again. lm_head at 64 rows, 2 threads, AVX2-only AMD EPYC Zen 3,
-  // old and new builds in alternating processes: 50-59 ms direct, 44-50 staged. Weights are
+  // missed on each of them again (docs/decisions.md, "From 9 input rows the GEMV stages
+  // outputs"). Weights are
   // still read 4 rows at a time in memory order, and each y[m, n] is the same sum.
   constexpr int64_t kStageRows = 16, kStageInputs = 64;
   const int64_t groups = (N + kStageRows - 1) / kStageRows;

@@ -8,8 +8,8 @@
 // front + 1, and a participant whose own segment is empty steals chunk back - 1 of another by
 // moving `back` down. So each thread streams through one contiguous stretch of the weights, as
 // a static split would (chunks handed out in turn from one counter interleave the threads'
-// stretches, and the hardware prefetchers restart at every chunk: SmolLM2's Q4 GEMV at batch 1
-// ran ~1.4x as long that way, 2 threads, AMD EPYC Zen 4), while a participant that is late
+// stretches, and the hardware prefetchers restart at every chunk: docs/decisions.md, "One
+// contiguous segment of chunks per thread"), while a participant that is late
 // (asleep, or descheduled) still holds up nothing it has not claimed. Because the epoch travels
 // in the same word as the indices, a worker that was descheduled for a whole job and wakes up
 // late can never claim a chunk of a job that has ended (its CAS fails), and the fields it then
@@ -83,7 +83,8 @@ constexpr int kMaxSegments = 64;        // participants beyond share segments (p
 // the caller's own CPU (no other was free). For kContendedNs after that the workers do not spin
 // between loops: a spinning worker used up its share of a contended CPU and was then preempted
 // inside its next chunk, and the caller waited for the rest of the other process's time slice
-// (SmolLM2 with the other core busy: 44 ms per token spinning, 35 not).
+// (`python -m client bench decode` with the other core busy; docs/decisions.md, "Under
+// contention workers stop spinning").
 constexpr int64_t kStallNs = 500 * 1000;
 constexpr int64_t kContendedNs = 100 * 1000 * 1000;
 
@@ -434,8 +435,8 @@ namespace {
 // each thread of the team one contiguous slice, as a decode GEMV reads its rows. Integer adds
 // into 8 independent sums: the compiler vectorizes them for the variant's ISA without
 // reassociating floats, so the loop is bound by the loads. Returns the sum (so nothing is
-// optimized away); the caller times it. torch's float sum of the same buffer read ~31 GB/s in
-// minutes when our decode step streamed ~41 on this VM: too lenient a floor.
+// optimized away); the caller times it. torch's float sum of the same buffer read slower than
+// our decode step streamed its weights: too lenient a floor.
 int64_t read_probe(const torch::Tensor& buf) {
   TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous() && buf.nbytes() % 64 == 0,
               "read_probe: a contiguous CPU tensor of a multiple of 64 bytes");

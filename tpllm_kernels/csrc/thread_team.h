@@ -2,14 +2,14 @@
 // OpenMP (at::parallel_for): a process-wide team of (at::get_num_threads() - 1) workers plus the
 // calling thread. Definitions: thread_team.cpp.
 //
-// Why: a batch-1 decode step opens ~150 parallel regions of 10-100 us each. With OpenMP the
-// caller waits for every thread of the region at its barrier: sleeping workers
-// (OMP_WAIT_POLICY=PASSIVE, the server's setting) cost ~65 us to wake per region on this VM
-// (~43 vs ~23 ms per SmolLM2 token), and workers spinning without bound starve whatever else
-// needs their core (>2 s per token with the other core busy). Here the caller never waits for
-// a worker that has not started: a loop is cut into chunks, one contiguous segment of them per
-// thread (the caller's included), each thread claims its own segment's chunks in order (one
-// memory stream, as a static split) and then steals the chunks left at the back of the
+// Why: a batch-1 decode step opens ~150 short parallel regions. With OpenMP the caller waits
+// for every thread of the region at its barrier: waking sleeping workers (OMP_WAIT_POLICY=
+// PASSIVE, the server's setting) costs a large share of each short region, and workers spinning
+// without bound starve whatever else needs their core (`python -m client bench decode`;
+// docs/decisions.md, "The C++ kernels run on their own worker team"). Here the caller never
+// waits for a worker that has not started: a loop is cut into chunks, one contiguous segment of
+// them per thread (the caller's included), each thread claims its own segment's chunks in order
+// (one memory stream, as a static split) and then steals the chunks left at the back of the
 // others', so a worker that is late (asleep, or descheduled by another process) simply gets
 // fewer or none. Between loops a worker spins a bounded
 // time (TPLLM_SPIN_US, default kDefaultSpinUs), then sleeps on a futex until the next loop is
