@@ -6,8 +6,8 @@ float32 / bfloat16, non-contiguous tensors).
 Same names and signatures as tpllm_kernels/reference.py, so dispatch is a namespace swap.
 
 The C++ module is the ISA variant tpllm_kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
-avx2; TPLLM_CPU_ISA forces one): the same kernels on each, so nothing here depends on it but
-the few figures quoted, measured on the AVX-512 host unless they say otherwise."""
+avx2; TPLLM_CPU_ISA forces one): the same kernels on each, so nothing here depends on it. The
+measurements behind the choices below are in docs/decisions.md."""
 from __future__ import annotations
 
 import os

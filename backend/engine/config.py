@@ -9,8 +9,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
-# SmolLM2 float32, 2 threads, AMD EPYC Zen 4: an 8-token step 32 ms, 32-64-token steps ~2 ms a
-# token (a small step still reads all the weights); no GPU measurement yet, so no default there
+# A step's fixed cost, in tokens: a small step still reads all the weights, so on CPU an 8-token
+# step costs about as much as 16 more tokens would add (`python -m client bench prefix`;
+# docs/decisions.md, "Requests waiting together are admitted in groups"); no GPU measurement
+# yet, so no default there
 CPU_STEP_OVERHEAD_TOKENS = 16
 
 
@@ -35,15 +37,17 @@ class EngineConfig:
     # CPU float32: a second, packed copy of every linear weight (in the GEMM library's format:
     # tpllm_kernels.cpu_ops.GEMM_LIBRARY) for the full decode batch (max_num_seqs rows) when it is
     # above tpllm_kernels.cpu_ops.SMALL_M (48 with oneDNN, 64 with MKL; up to that the C++
-    # linears are faster): decode batches above it and prefill chunks run their GEMMs from it
-    # (oneDNN, SmolLM2 at 64 rows: 84 vs 94 ms for the layers); costs the weights' memory again
+    # linears are faster): decode batches above it and prefill chunks run their GEMMs from it,
+    # faster than packing each weight per call (`python -m client bench offline`;
+    # docs/decisions.md, "Packed weight copies"); costs the weights' memory again
     cpu_packed_gemm: bool = True
     # reuse the KV blocks of a prompt prefix computed before (kv_manager); off only for A/B
     enable_prefix_caching: bool = True
     # speculative decoding by prompt lookup (speculation.py): draft tokens per step at most
     # (0 = off), and the n-gram matched against the sequence's own context (when it never
     # occurred before: the copy the last draft came from, then shorter n-grams); 4 drafted the
-    # fewest rows for the most accepted tokens of 2-6 (session 15, bench speculation's prompts)
+    # fewest rows for the most accepted tokens of 2-6 (`python -m client bench speculation`'s
+    # prompts; docs/decisions.md, "Speculation stays off by default")
     speculative_ngram: int = 0
     speculative_ngram_match: int = 4
     # CPU float32 and bf16: steps whose rows are all plain greedy read an int8 (or bf16) copy

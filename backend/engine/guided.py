@@ -9,21 +9,17 @@
   sampler already has (same tensor: nothing new for the cold-path counter), before penalties,
   temperature and the top-k/top-p/min-p filters. Unconstrained rows are not touched.
 
-Masking on CPU uses numpy, which never opens a parallel region. Measured at batch 1 (SmolLM2,
-49152 tokens, the 10-field schema of client/bench_structured.py; AMD EPYC Zen 4, 2 cores shared
-with other work): torch ops (a [n, words, 32] shift-and-compare, then masked_fill_) took 0.15 ms
-alone and 0.35-0.44 ms inside a step (13-22 ms while higher-priority work held the other core),
-and each of their 49152-element ops opens an OpenMP region, after which libgomp's worker (wait
-policy unset, the benchmarks' default) spins ~8 ms: into the next forward pass, on the core the
-kernels' worker team needs (that forward took 1-6 ms longer). xgrammar's CPU kernel took 0.22 ms
-and then spins threads of its own (~3.5 ms of CPU). numpy: 0.04 ms alone, 0.19 ms inside a
-step, no spin; steps were then within noise of unconstrained ones. Other devices keep the torch
-ops (no OpenMP there, and no kernel to compile).
+Masking on CPU uses numpy, which never opens a parallel region. torch ops (a [n, words, 32]
+shift-and-compare, then masked_fill_) open an OpenMP region for each vocabulary-sized op, after
+which libgomp's worker (wait policy unset, the benchmarks' default) spins into the next forward
+pass, on the core the kernels' worker team needs; xgrammar's CPU kernel spins threads of its
+own. With numpy, constrained steps were within noise of unconstrained ones (`python -m client
+bench structured`; docs/decisions.md, "Structured output masks logits in numpy"). Other
+devices keep the torch ops (no OpenMP there, and no kernel to compile).
 
-The next bitmask is filled inline, right after the token is accepted: accept_token + fill + the
-completeness check took ~0.12 ms inside a step; handing the fill to a worker thread to overlap
-the next forward pass cost the engine thread as much (submit + join 0.075 ms vs 0.078 ms inline)
-and would put a third thread on the 2 cores the forward needs.
+The next bitmask is filled inline, right after the token is accepted: handing the fill to a
+worker thread to overlap the next forward pass cost the engine thread as much as the fill
+itself, and would put a third thread on the 2 cores the forward needs (docs/decisions.md).
 
 EOS (the engine's stop ids) is allowed exactly where the grammar may end. A matcher that can
 take nothing but EOS is complete: the engine finishes the request ("stop") without sampling it.
@@ -77,7 +73,8 @@ class GrammarCache:
         self.compiles = 0
         # One thread: compiles are tens of ms and the cores belong to the engine.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        # Reading the vocabulary takes ~0.3 s: start at load, so no request waits for it.
+        # Reading the vocabulary is slow (a pass over every token): start at load, so no
+        # request waits for it.
         self._compiler = self._pool.submit(self._make_compiler, tokenizer, vocab_size,
                                            sorted(stop_token_ids))
 

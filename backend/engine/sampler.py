@@ -293,9 +293,9 @@ class Sampler:
 def _copy_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits[rows], copied. On CPU by numpy, in this thread: torch's advanced-indexing copy of a
     49152-token row opens an OpenMP region, after which libgomp's worker kept spinning into the
-    next decode step on the core the kernels' team needs. SmolLM2, 2 threads, 512 in / 64 out,
-    4 interleaved runs each (AMD EPYC Zen 4): TPOT 19.3 -> 21.2 ms with logprobs asked for;
-    with log_softmax in numpy alone 19.9 -> 21.9; with this copy too 19.8 -> 19.8."""
+    next decode step on the core the kernels' team needs: asking for logprobs then slowed every
+    decode step, and moving log_softmax alone to numpy did not help; with this copy too it costs
+    nothing measurable (docs/decisions.md, "Logprobs and greedy argmax in numpy")."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits[rows]
     return torch.from_numpy(logits.numpy()[rows])
@@ -304,8 +304,8 @@ def _copy_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) (the first of equal maxima; NaN counts as the maximum, as in
     torch); on CPU in numpy, for _copy_rows' reason: torch splits a reduction over several
-    rows across OpenMP threads. 8-row verify steps of speculative decoding, SmolLM2 float32 at
-    1500 tokens (AMD EPYC Zen 5, 2 threads): libgomp's spinning was 14% of the step's samples."""
+    rows across OpenMP threads, and libgomp's spinning after it showed up in profiles of
+    speculative decoding's verify steps (docs/decisions.md)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
     return torch.from_numpy(logits.numpy().argmax(axis=-1))

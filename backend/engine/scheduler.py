@@ -12,13 +12,11 @@ cost is small next to their prompts (a CPU): with n waiting, each ~t uncached to
 costing as much as F tokens beyond its own (`step_overhead_tokens`), g per step gets them their
 first tokens after a summed n²F/2g + n·g·t/2 (+ terms free of g), least at g = sqrt(nF/t): a
 step admits new requests until it holds sqrt(n·F·t) prompt tokens (at least one request).
-Measured (AMD EPYC Zen 4, 2 threads, SmolLM2 float32): eight clients in a closed loop, each
-prompt ~36 tokens past a cached 992, went into one ~650 ms step per wave, all eight first tokens
-after it, and finished (in lockstep) to arrive together again; a step costs F ~ 16 tokens there
-(an 8-token step 32 ms, ~2 ms a token at 32-64 tokens). A burst of 64 x 256-token prompts goes
-in about two a step instead of eight, which costs little: from 256 tokens up a step costs ~1.6 ms
-a token whatever its size (256: 409 ms, 512: 812), and 64 x 256/128 offline ran within 1% of
-the old admission.
+Why: admitted all at once, clients that hit the prefix cache together went into one long step
+per wave, all their first tokens after it, and finished in lockstep to arrive together again.
+A burst of long prompts costs little either way, since from a few hundred tokens up a step's
+cost per token no longer depends on its size (`python -m client bench prefix` and `bench
+offline`; docs/decisions.md, "Requests waiting together are admitted in groups").
 
 With prefix caching, a request joining the batch first shares the cached blocks of its longest
 cached prefix (kv_manager.match_prefix) and computes only the rest, in chunks as usual; a
@@ -165,11 +163,9 @@ class Scheduler:
         # A chunk that is all its sequence can run now (its prompt's end, or the end before a
         # token held back for its grammar) would need a step of its own for the cut tokens: a
         # whole step's latency before its first token. Padding up costs less when it computes
-        # fewer wasted tokens than it would cut (255 tokens: 1 of padding vs 63 cut to 192.
-        # Measured, a structured request whose grammar was still compiling, 256-token prompt:
-        # steps of 277-301 + 138-147 ms became 426-443 + 16-20 ms; TTFT 1.2x -> 1.06x a cached
-        # schema's, each pair in one run), or than a step of its own costs (36 tokens past a
-        # cached prefix ran as 32 + 4 in 94 + 41 ms).
+        # fewer wasted tokens than it would cut (255 tokens: 1 of padding vs 63 cut to 192),
+        # or than a step of its own costs (step_overhead_tokens). Measured with `python -m
+        # client bench structured` (docs/decisions.md, "A prompt's last chunk is padded").
         pad = self.plan.token_bucket(total) - total
         if n == seq.num_schedulable and pad <= max(cut, self.step_overhead_tokens):
             return

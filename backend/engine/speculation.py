@@ -26,35 +26,24 @@ renamed variable or a list's next number, where one token is new and the rest of
 still follows the source); else shorter suffixes, longest first ("short3" for 3 tokens or
 more, "short2", "short1"); else the parted copy again. A copy runs on into itself past the
 context's end, so a loop of period p drafts whole periods. Why the parted copy yields to
-shorter suffixes after one step: replaying bench speculation's grounded outputs (seed 0,
-21 prompts), a copy still parted was right 4% of the time (44 of 1001 steps) where a 3-token
-suffix was right 63%, 2 tokens 34%, 1 token 33%; with this order and those first-token priors
-the decode speedup went 1.650 -> 1.667x (seed 0), 1.759 -> 1.771 (seed 7), 1.621 -> 1.668
-(seed 1), free-form chat 1.118 -> 1.148 (a replay without the model: greedy outputs are fixed,
-so each draft's fate is known; each step weighted by the measured cost of its rows below).
+shorter suffixes after one step: in replays of bench speculation's outputs a copy still parted
+was rarely right where even a 1-token suffix often was (`python -m client bench spec-replay`:
+greedy outputs are fixed, so each draft's fate is known without the model).
 
 How long (Acceptance.length): each sequence keeps, per source, a recent record of how often
 its drafts' first token was right and how often a later token was, given the one before it
 was; the draft length d (0 to k) is the one with the most expected tokens per unit of step
 cost (StepCost: what a step of r rows costs in one-row steps). Why a cost model: a verify row
-is not free where a step's multiply-adds are no longer hidden under the weight read. On CPU,
-SmolLM2 float32 at ~1000 tokens of context, steps of r rows cost 1.09-1.10 (r 2), 1.46-1.48
-(4), 1.78-1.83 (6) and 2.30-2.34 (8) one-row steps (7.0-7.6 ms; AMD EPYC Zen 5, AVX-512, 2
-threads, exact Q4 block copies; the AVX2 path ~0.19 a row): the first rows are cheap (still
-under the weight read), later ones ~0.2-0.25 each, so a source that has been wrong lately
-drafts one token or none, a reliable one up to k. (The table instead of a flat 0.2 a row, and
-records decaying by 0.9 instead of 0.8 a verification: replayed decode speedup 1.665 ->
-1.699, 1.778 -> 1.802, 1.671 -> 1.699 on grounded seeds 0, 7, 1, chat 1.148 -> 1.152.) With
+is not free where a step's multiply-adds are no longer hidden under the weight read. On CPU
+the first rows are cheap (still under the weight read) and later ones cost a fifth of a
+one-row step or more each (step_cost.py), so a source that has been wrong lately drafts one
+token or none, a reliable one up to k. With
 d 0 the token the draft would have started with is still checked against the one decoded
 (for free: nothing is verified), so a source that becomes right again is drafted from again.
 This replaced fixed
-rules (one token after a miss, at most 5 from a copy, pauses of 4-64 steps after repeated
-misses): over bench speculation's prompts, one engine switching between them per prompt (so
-prompts mostly prefix-cached), the fixed rules drafted 1804 tokens for 604 accepted on free-form
-chat where this drafts 1241 for 610 (chat 1.12x vs 1.15x, grounded 1.62x vs 1.69x; the VM drifts
-~5% between such runs); `bench speculation` itself went from 1.48x / 0.99x / 1.00x to 1.50x /
-1.10x / 0.99x, and with the source order, step costs and priors above (2026-12-04, two runs)
-to 1.62x / 1.13x / 1.02x and 1.60x / 1.15x / 1.01x. Drafts are only proposed
+rules (one token after a miss, at most 5 from a copy, pauses after repeated misses), which
+drafted far more rejected tokens on free-form chat for the same accepted ones (docs/decisions.md,
+"Draft sources and lengths"; `python -m client bench speculation`). Drafts are only proposed
 while every running sequence is decoding and nothing waits for admission (prompts go first,
 and a verify step stays a decode-only step: the fused decode kernels), and only while the
 step's rows stay within `max_rows` (on CPU 8: big batches are compute-bound and gain nothing);
@@ -78,9 +67,8 @@ _PRIOR_WEIGHT = 4.0  # a new sequence's record: this many verifications at the p
 # match or a copy still in step is often right; the token right after the output left its
 # copy (bench speculation's grounded prompts: ~0.2) and a short suffix less often, the
 # shorter the less (first tokens of 3-, 2- and 1-token suffixes there: 63%, 34%, 33%).
-# (Replayed, `bench spec-replay`: suffix/follow (0.6, 0.75), diverged 0.15 and weight 4 gave
-# 1.720 / 1.829 / 1.704x on grounded seeds 0, 7, 1 and 1.159x on chat where (0.7, 0.85), 0.25
-# and 2 gave 1.699 / 1.802 / 1.699 and 1.152: later tokens were less sure than assumed.)
+# (Chosen by replay, `python -m client bench spec-replay`, over (0.7, 0.85), 0.25 and weight 2:
+# later tokens were less sure than assumed; docs/decisions.md, "Draft sources and lengths".)
 _PRIORS = {"suffix": (0.6, 0.75), "follow": (0.6, 0.75), "diverged": (0.15, 0.8),
            "short3": (0.65, 0.8), "short2": (0.4, 0.7), "short1": (0.35, 0.6)}
 
@@ -101,9 +89,10 @@ class StepCost:
         return t[-1] + (t[-1] - t[-2]) * (rows - len(t))
 
 
-# CPU: the module doc's measurements at 2, 4, 6 and 8 rows, 3, 5 and 7 in between (AMD EPYC
-# Zen 5). An engine that warms up replaces it with its own machine's (step_cost.py: on a Zen 4
-# the second row cost 0.16-0.28, not 0.095); this table serves engines without warmup.
+# CPU: measured at 2, 4, 6 and 8 rows on an AVX-512 CPU whose multiply-adds are cheap next to
+# its memory bandwidth, 3, 5 and 7 in between (docs/decisions.md, "Draft sources and lengths").
+# An engine that warms up replaces it with its own machine's (step_cost.py: on other CPUs a row
+# costs more); this table serves engines without warmup.
 CPU_STEP_COST = StepCost((1.0, 1.095, 1.28, 1.47, 1.63, 1.80, 2.05, 2.32))
 # a GPU decode step stays bound by its weight read for a few rows (not measured: no GPU has
 # been lent to this project yet)

@@ -4,12 +4,12 @@ Speculative decoding (speculation.py) weighs each draft token against what its v
 to the step (StepCost: a step of r rows in one-row steps). That depends on the CPU more than on
 anything else: where a core's multiply-adds are cheap next to its memory bandwidth the first
 rows ride under the weight read, elsewhere each row costs more: the second row of a step cost
-0.095 of a one-row step on an AMD EPYC Zen 5, 0.16-0.28 on a Zen 4 (AVX-512 on 256-bit units).
-A table from one CPU drafts too long on the other, so the engine times verify-shaped steps
-before it reports ready (the shapes are warm by then: this compiles nothing; 1-1.5 s on the
-Zen 4's 2 cores) and hands the speculator this machine's table. On the Zen 4 (bench
-speculation, 2026-12-04): free-form chat 1.10x -> 1.19x, grounded prompts 1.54x -> 1.52x
-(within the VM's drift; a replay of the same outputs modeled +0.4-0.5% grounded, +3.6% chat).
+roughly two to three times as much (in one-row steps) on a CPU whose AVX-512 runs on 256-bit
+units as on one with full-width units. A table from one CPU drafts too long on the other, so
+the engine times verify-shaped steps before it reports ready (the shapes are warm by then:
+this compiles nothing; about a second on 2 cores) and hands the speculator this machine's
+table. It helped free-form chat and left grounded prompts within drift (`python -m client
+bench speculation`; docs/decisions.md, "Draft sources and lengths").
 
 A verify step is one sequence's rows over one block table, row i seeing the cache up to its own
 position (step_inputs.build_step_inputs), padded to its decode bucket as the engine pads it.

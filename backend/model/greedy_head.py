@@ -151,11 +151,8 @@ class GreedyScreen:
         Why q8 stops at max_rows (one pass of its kernel over the head: 8 rows on AVX-512, 4 on
         AVX2): each further pass reads the head again, and the full head in float32 from its
         block copy (linear, then argmax) is then as fast or faster, with the same token and
-        logit. SmolLM2's head, 2 threads, caches cold, AMD EPYC Zen 4 (2026-12-05), screen vs
-        linear + argmax: 1 row 1.2 vs 2.4 ms, 4: 2.2 vs 2.9, 8: 4.2 vs 4.2, 9: 4.7 vs 4.7,
-        12: 6.2 vs 5.7, 16: 10.0 vs 7.6, 32: 19.4 vs 13.7, 48: 28.4 vs 19.9; with the avx2
-        kernels 4 rows 2.3 vs 2.4, 8: 4.2 vs 3.7, 16: 10.7 vs 9.3. (The bf16 copy's kernel
-        is faster than linear at every row count measured, 1-32: no cap.)"""
+        logit (docs/decisions.md, "The greedy lm_head screen reads an int8 copy"). (The bf16
+        copy's kernel was faster than linear at every row count measured: no cap.)"""
         if self.max_rows and x.shape[0] > self.max_rows:
             return None
         got = self.screen(x, weight)

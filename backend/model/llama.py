@@ -32,8 +32,8 @@ class MLP(DirectModule):
         self.ops = ops
         # An even split, whatever the head split: the MLP sits between two collectives, so it
         # must balance on its own. (Shifting rows to the rank with fewer heads, to even out the
-        # whole layer's bytes, made each rank wait at every other collective: SmolLM2 TP2
-        # decode lost ~30 us per collective; the even split is ~3% faster end to end.)
+        # whole layer's bytes, made each rank wait at every other collective: `python -m
+        # client bench tp`; docs/decisions.md, "The MLP splits evenly whatever the head split".)
         rows = split_range(cfg.intermediate_size, ctx.rank, ctx.world_size)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": rows, "up": rows},
                                                  bias=cfg.mlp_bias, dtype=dtype, ops=ops)
@@ -207,7 +207,7 @@ class LlamaForCausalLM(DirectModule):
         if x.dtype == torch.float32:
             return x.shape[0] <= self.ops.SMALL_M
         # bf16: one rank (the collectives inside the fused stack are float32's), the rows the
-        # bf16 GEMV takes; a bf16 step through Python cost ~3 ms of calls (SmolLM2, 10.6 ms)
+        # bf16 GEMV takes; through Python, the calls were over a quarter of a bf16 step
         return (x.dtype == torch.bfloat16 and self.layers[0].mlp.down_proj.ctx.world_size == 1
                 and x.shape[0] <= getattr(self.ops, "FUSED_DECODE_BF16_ROWS", 0))
 
