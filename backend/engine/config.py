@@ -9,10 +9,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
-# A step's fixed cost, in tokens: a small step still reads all the weights, so on CPU an 8-token
-# step costs about as much as 16 more tokens would add (`python -m client bench prefix`;
-# docs/decisions.md, "Requests waiting together are admitted in groups"); no GPU measurement
-# yet, so no default there
+# A step's fixed cost, in tokens of compute: a small step still reads all the weights, so it
+# costs far more per token than a large one. 16 on CPU comes from step timings at 8-64 tokens
+# and `python -m client bench prefix` (docs/decisions.md, "Requests waiting together are
+# admitted in groups"); no GPU measurement yet, so no default there
 CPU_STEP_OVERHEAD_TOKENS = 16
 
 
