@@ -1,7 +1,7 @@
-"""Fuzz the request path of the real server (HTTP generate, a few hundred derandomized cases):
-every answer is a valid result or an error with a message (the model's naming the field, or
-Triton's own for what it refuses before the model); the server stays READY and still gives the
-offline greedy text afterwards."""
+"""Fuzz the request path of the real server (HTTP generate, a few hundred derandomized cases, JSON
+inputs drawn hostile too): every answer is a valid result or an error with a message (the model's
+naming the field, or Triton's own for what it refuses before the model); the server stays READY
+and still gives the offline greedy text afterwards. Then hostile JSON between good requests."""
 from __future__ import annotations
 
 import collections
@@ -57,6 +57,16 @@ max_tokens = st.integers(0, 9).flatmap(lambda i: st.integers(1, MAX_NEW) if i < 
     st.sampled_from(["3", 2.5, None, True])))
 
 
+# JSON text in a string input, as a hostile client sends it: thousands of levels deep (json.loads
+# alone raises RecursionError), or long strings and lists.
+hostile_json = st.one_of(
+    st.integers(5_000, 20_000).map(lambda n: "[" * n + "]" * n),
+    st.integers(5_000, 20_000).map(lambda n: '{"stop": ' + "[" * n),
+    st.integers(5_000, 20_000).map(lambda n: json.dumps({"guided_json": '{"a": ' * n})),
+    st.sampled_from([10_000, 300_000]).map(lambda n: json.dumps({"stop": ["ab" * n]})),
+    st.sampled_from([10_000, 300_000]).map(lambda n: json.dumps({"stop": ["ab"] * n})))
+
+
 @st.composite
 def bodies(draw):
     body: dict = {"max_tokens": draw(max_tokens)}
@@ -65,6 +75,8 @@ def bodies(draw):
         body["text_input"] = draw(st.text(min_size=0 if kind == 0 else 1, max_size=40))
     elif kind < 17:
         body["text_input"] = draw(weird)
+    elif kind < 18:  # chat messages as JSON text
+        body["text_input"], body["chat"] = draw(hostile_json), True
     for name in draw(st.lists(st.sampled_from(sorted(VALUES)), max_size=4, unique=True)):
         body[name] = draw(VALUES[name])
     if draw(st.integers(0, 4)) == 0:
@@ -77,7 +89,7 @@ def bodies(draw):
                               max_size=3, unique=True))
         sp = {n: draw(VALUES.get(n, ints)) for n in names if n != "max_tokens"}
         body["sampling_parameters"] = draw(st.one_of(
-            st.just(json.dumps(sp)), st.text(max_size=12), weird))
+            st.just(json.dumps(sp)), st.text(max_size=12), weird, hostile_json))
     if draw(st.integers(0, 9)) == 0:
         body["no_such_key"] = draw(mostly(scalar_ok))
     return body
