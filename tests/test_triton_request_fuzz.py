@@ -1,16 +1,20 @@
 """Fuzz the Triton request parser (backend/triton/request.py) without a server: whatever the
 client sends, parse_request either returns a request whose SamplingParams validate or raises a
-ValueError whose message starts with a field name the client used."""
+ValueError whose message starts with a field name the client used. Besides small values, every
+JSON-bearing input is drawn hostile too: nested thousands of levels deep (json.loads would raise
+RecursionError), megabytes long, or a long list."""
 from __future__ import annotations
 
 import json
 import math
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from backend.triton.request import ALL_INPUTS, FIELDS, check_prompt_size, parse_request
+from backend.engine.json_input import MAX_JSON_DEPTH
+from backend.triton.request import (ALL_INPUTS, FIELDS, ParsedRequest, check_prompt_size,
+                                    parse_request)
 from client.generate import DTYPES
 
 NAMES = sorted(set(FIELDS) | {"text_input", "sampling_parameters", "unknown_field"})
@@ -72,23 +76,110 @@ def requests(draw):
     return inputs, params
 
 
-@settings(max_examples=600, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(requests())
-def test_parse_request_returns_or_names_the_field(req):
-    inputs, params = req
+def check_answer(inputs, params) -> ParsedRequest | str:
+    """parse_request's answer: a request that validates, or a ValueError naming a client field
+    (any other exception, RecursionError included, fails the test): the request or the message."""
     try:
         parsed = parse_request(inputs, params)
     except ValueError as e:
         msg = str(e)
         field = msg.split(":", 1)[0]
         base = field.removeprefix("sampling_parameters.")
-        assert ":" in msg and (base in FIELDS or field in ("text_input", "sampling_parameters")), msg
-        return
+        assert ":" in msg and (base in FIELDS or field in ("text_input", "sampling_parameters",
+                                                           "parameters")), msg
+        return msg
     parsed.params.validate()
     assert isinstance(parsed.prompt, str)
+    return parsed
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(requests())
+def test_parse_request_returns_or_names_the_field(req):
+    parsed = check_answer(*req)
+    if isinstance(parsed, str):
+        return
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         assert math.isfinite(getattr(parsed.params, name))
+
+
+# ---- hostile JSON in every JSON-bearing input ----------------------------------------------------
+JSON_FIELDS = ("stop", "stop_token_ids", "guided_json", "guided_choice", "response_format",
+               "guided_regex", "max_tokens", "logprobs", "unknown_field")
+
+
+def nested(levels: int, kind: str, closed: bool) -> str:
+    opener, closer = ("[", "]") if kind == "list" else ('{"type": ', "}")
+    return opener * levels + ('"x"' + closer * levels if closed else "")
+
+
+hostile_json = st.one_of(
+    st.builds(nested, st.integers(5_000, 20_000), st.sampled_from(["list", "object"]),
+              st.booleans()),  # deep: json.loads raises RecursionError past ~1,000
+    st.builds(nested, st.integers(MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH + 1),
+              st.sampled_from(["list", "object"]), st.just(True)),  # at the limit
+    st.sampled_from([10_000, 1 << 20, 5 << 20]).map(lambda n: json.dumps("ab" * (n // 2))),
+    st.sampled_from([10_000, 1 << 20, 3 << 20]).map(lambda n: "[" + "7," * (n - 1) + "7]"),
+    st.sampled_from(['"' + '\\"' * 100_000, "[" * 70 + '"' + "]" * 70, "9" * 5_000]))
+
+
+def deep_object(levels: int):
+    """A parsed value that deep, as a direct caller may hand over (built without recursion)."""
+    v: object = "x"
+    for i in range(levels):
+        v = [v] if i % 2 else {"type": v}
+    return v
+
+
+@st.composite
+def hostile_requests(draw):
+    """(inputs, parameters, depth of the hostile value): one JSON-bearing input hostile."""
+    payload = draw(hostile_json)
+    depth = payload.count("[") + payload.count("{") if payload[:1] in "[{" else 0
+    field = draw(st.sampled_from(JSON_FIELDS))
+    inputs = {"text_input": np.array([b"hello"], dtype=object)}
+    params: dict | str | None = None
+    where = draw(st.sampled_from(["sampling_parameters", "sampling_parameters.field",
+                                  "sampling_parameters.field as text", "chat", "parameters",
+                                  "parameters.field as text", "parameters.field as object"]))
+    if where == "sampling_parameters":
+        inputs["sampling_parameters"] = np.array([payload.encode()], dtype=object)
+    elif where == "sampling_parameters.field":
+        text = '{"%s": %s}' % (field, payload)
+        inputs["sampling_parameters"] = np.array([text.encode()], dtype=object)
+    elif where == "sampling_parameters.field as text":  # JSON text inside a JSON string
+        inputs["sampling_parameters"] = np.array([json.dumps({field: payload}).encode()], object)
+    elif where == "chat":
+        inputs["text_input"] = np.array([payload.encode()], dtype=object)
+        inputs["chat"] = np.array([True])
+        depth = depth if payload.startswith("[") else 0  # else one plain user message
+    elif where == "parameters":
+        params = '{"%s": %s}' % (field, payload)
+    elif where == "parameters.field as text":
+        params = {field: payload}
+    else:
+        depth = draw(st.sampled_from([MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 5_000]))
+        params = {field: depth}  # the test builds it (hypothesis prints examples recursively)
+    return inputs, params, depth, where, field
+
+
+@settings(max_examples=250, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(hostile_requests())
+def test_hostile_json_in_any_input_is_a_named_error(req):
+    inputs, params, depth, where, field = req
+    if where == "parameters.field as object":
+        params = {field: deep_object(depth)}
+    answer = check_answer(inputs, params)
+    event(f"{where}, {'deep' if depth > MAX_JSON_DEPTH else 'shallow'}: "
+          f"{'refused' if isinstance(answer, str) else 'accepted'}")
+    # A value nested past the limit is refused wherever it is parsed as JSON. Not parsed: an
+    # unknown request parameter (Triton shares them with other backends), a regex.
+    ignored = (where.startswith("parameters") and field == "unknown_field") or (
+        field == "guided_regex" and where.endswith("as text"))
+    if depth > MAX_JSON_DEPTH + 2 and not ignored:
+        assert isinstance(answer, str), (where, field, depth)
 
 
 class _CharTokenizer:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from backend.engine import json_input
+
 # The SamplingParams fields that constrain the output (vLLM's names); at most one may be set.
 CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "response_format")
@@ -41,12 +43,10 @@ def guided_spec(params) -> GuidedSpec | None:
 
 def _schema(name: str, v) -> GuidedSpec:
     if isinstance(v, (str, bytes)):
-        try:
-            v = json.loads(v)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        v = json_input.loads(name, v)
     if not isinstance(v, dict):
         raise ValueError(f"{name}: must be a JSON schema object, got {type(v).__name__}")
+    json_input.check_depth(name, v)  # json.dumps below recurses per level
     try:
         # Key order is kept: it is the order the properties are generated in.
         text = json.dumps(v, ensure_ascii=False, allow_nan=False)
@@ -87,10 +87,7 @@ def _response_format(name: str, v) -> GuidedSpec | None:
     """OpenAI's response_format: {"type": "json_object"}, {"type": "json_schema", "json_schema":
     {"schema": {...}}} or {"type": "text"} (no constraint)."""
     if isinstance(v, (str, bytes)):
-        try:
-            v = json.loads(v)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{name}: not valid JSON") from None
+        v = json_input.loads(name, v)
     if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMAT_TYPES:
         raise ValueError(f'{name}: must be an object whose "type" is one of '
                          f"{', '.join(RESPONSE_FORMAT_TYPES)}")

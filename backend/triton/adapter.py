@@ -27,6 +27,7 @@ from backend.process_exit import exit_now
 from backend.triton.shutdown import grace_seconds, watch_signals
 
 log = logging.getLogger("backend.triton")
+MAX_ERROR_CHARS = 1000  # an error message quoting a huge client value is cut to this
 
 
 def _setup_logging(level: str, instance: str) -> None:
@@ -115,15 +116,24 @@ class TritonLLMModel:
                                    snapshot=lambda: engine_snapshot(self.llm))
 
     # ---- requests ---------------------------------------------------------------------------
+    # No request can make execute() raise: an exception escaping it fails every request of the
+    # call (those already submitted included) and shows the client Python's message. So each
+    # request is read and submitted under its own guard (_submit), and the loop has one more.
     def execute(self, requests) -> None:
         for request in requests:
-            self._submit(request)
+            try:
+                self._submit(request)
+            except Exception:  # _submit answers its own failures; this is the last resort
+                log.exception("request not submitted")
         return None
 
     def _read_inputs(self, request) -> dict:
         return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in ALL_INPUTS}
 
     def _submit(self, request) -> None:
+        """Reads, validates and submits one request; answers every failure on its own stream:
+        ValueError -> INVALID_ARG with its message, anything else -> INTERNAL with a message
+        that shows nothing of Python (the traceback goes to the log, with the request id)."""
         pb = self.pb
         sender = request.get_response_sender()
         arrival = time.perf_counter()
@@ -132,29 +142,41 @@ class TritonLLMModel:
                                       getattr(pb.TritonError, "UNAVAILABLE", None))
             return
         rid = f"{self._prefix}-{next(self._ids)}"
+        # add_request is the last call that can fail: once it returns, the engine's outputs
+        # answer the request, so nothing below ever sends a second, conflicting answer.
         try:
             req = parse_request(self._read_inputs(request), request.parameters())
             prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
             check_prompt_size(self.tokenizer, prompt, self.llm.max_model_len)
+            try:
+                requested = frozenset(request.requested_output_names())
+            except Exception:
+                requested = None
+            state = StreamState(rid, req, sender, arrival=arrival, requested=requested or None)
+            self.responder.register(state)
+            try:
+                self.engine.add_request(rid, prompt, req.params, sink=self.responder)
+            except RuntimeError as e:
+                if not self._stopping:  # set before the engine shuts down (_teardown)
+                    raise  # not the shutdown: an internal error (below)
+                self.responder.unregister(rid)
+                self.responder.send_error(sender, str(e),
+                                          getattr(pb.TritonError, "UNAVAILABLE", None))
         except ValueError as e:
+            self.responder.unregister(rid)
             self._reject(sender, str(e))
-            return
-        try:
-            requested = frozenset(request.requested_output_names())
         except Exception:
-            requested = None
-        state = StreamState(rid, req, sender, arrival=arrival, requested=requested or None)
-        self.responder.register(state)
-        try:
-            self.engine.add_request(rid, prompt, req.params, sink=self.responder)
-        except ValueError as e:
+            log.exception("request %s: internal error while reading or submitting it", rid)
             self.responder.unregister(rid)
-            self._reject(sender, str(e))
-        except RuntimeError as e:  # the engine is shutting down
-            self.responder.unregister(rid)
-            self.responder.send_error(sender, str(e), getattr(pb.TritonError, "UNAVAILABLE", None))
+            self.metrics.request_finished("error", None, 0, 0)
+            self.responder.send_error(
+                sender, f"internal error: the request could not be processed (request id "
+                        f"{rid}; the server log has the details)",
+                getattr(pb.TritonError, "INTERNAL", None))
 
     def _reject(self, sender, message: str) -> None:
+        if len(message) > MAX_ERROR_CHARS:  # some messages quote the client's value
+            message = message[:MAX_ERROR_CHARS] + " ..."
         log.info("invalid request: %s", message)
         self.metrics.request_finished("invalid", None, 0, 0)
         self.responder.send_error(sender, message, getattr(self.pb.TritonError, "INVALID_ARG", None))

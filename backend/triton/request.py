@@ -7,13 +7,13 @@ See docs in model_repository/llm/README.md for the contract and the defaults.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.engine.sampling_params import SamplingParams
+from backend.engine import json_input
+from backend.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 # client name -> (kind, target). Targets starting with "." are adapter options, others are
 # SamplingParams fields. TensorRT-LLM names (min_length, random_seed, runtime_top_k/p) are aliases.
@@ -115,11 +115,11 @@ def convert(name: str, kind: str, v):
     """One client value -> the Python value of `kind`, or ValueError naming `name`."""
     if kind in ("str", "json"):
         v = _text(name, _one(name, v)) if not isinstance(v, (dict, list)) else v
-        if kind == "json" and isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{name}: not valid JSON ({e.msg} at char {e.pos})") from None
+        if kind == "json":
+            if isinstance(v, str):
+                v = json_input.loads(name, v)
+            else:  # already parsed (a caller's dict): the engine serializes it again
+                json_input.check_depth(name, v)
         return v
     if kind == "strs":
         if isinstance(v, np.ndarray):
@@ -128,9 +128,10 @@ def convert(name: str, kind: str, v):
             s = _text(name, v)
             if s.startswith("["):  # a JSON list given as one string (request parameters)
                 try:
-                    v = json.loads(s)
-                except json.JSONDecodeError:
-                    raise ValueError(f"{name}: not a valid JSON list of strings") from None
+                    v = json_input.loads(name, s)
+                except ValueError as e:
+                    raise ValueError(f"{name}: not a valid JSON list of strings "
+                                     f"({str(e).removeprefix(name + ': ')})") from None
             else:
                 return [s] if s else []
         if not isinstance(v, (list, tuple)):
@@ -188,10 +189,7 @@ def _sampling_json(v) -> dict:
     s = _text("sampling_parameters", _one("sampling_parameters", v))
     if not s.strip():
         return {}
-    try:
-        obj = json.loads(s)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"sampling_parameters: not valid JSON ({e.msg} at char {e.pos})") from None
+    obj = json_input.loads("sampling_parameters", s)
     if not isinstance(obj, dict):
         raise ValueError("sampling_parameters: must be a JSON object")
     for k in obj:
@@ -207,7 +205,13 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
         raise ValueError("text_input: required")
     prompt = _text("text_input", _one("text_input", inputs["text_input"]))
     if isinstance(parameters, str):
-        parameters = json.loads(parameters) if parameters.strip() else {}
+        parameters = json_input.loads("parameters", parameters) if parameters.strip() else {}
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ValueError("parameters: must be a JSON object")
+    # values a direct caller passes already parsed: error messages quote them (repr recurses)
+    json_input.check_depth("parameters", parameters)
+    for k, v in inputs.items():
+        json_input.check_depth(k, v)
     values: dict[str, tuple[str, object]] = {}  # target -> (client name, value)
     if inputs.get("sampling_parameters") is not None:
         for k, v in _sampling_json(inputs["sampling_parameters"]).items():
@@ -232,8 +236,8 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
     returns = {f: opts.get(f"return_{f}") for f in RETURN_FIELDS}
     if returns["cumulative_logprob"]:
         kwargs["logprobs"] = True
-    _resolve_top_logprobs(kwargs, bool(returns["logprobs"]))
     try:
+        _resolve_top_logprobs(kwargs, bool(returns["logprobs"]))
         params = SamplingParams(**kwargs)
     except ValueError as e:  # the engine names its field; name it as the client did
         msg = str(e)
@@ -252,11 +256,20 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
 def _resolve_top_logprobs(kwargs: dict, returned: bool) -> None:
     """Per-token logprobs are computed only when the `logprobs` output is asked for (the vLLM
     backend's `return_logprobs`), then with k alternatives (0 = the chosen token alone when
-    sampling_parameters names none). Without it they are never sent, so not computed."""
+    sampling_parameters names none). Without it they are never sent, so not computed; the value
+    is still checked, as vLLM refuses a `logprobs` above its maximum whatever is returned."""
+    k = kwargs.get("top_logprobs")
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     if not returned:
         kwargs.pop("top_logprobs", None)
     elif kwargs.get("top_logprobs") is None:
         kwargs["top_logprobs"] = 0
+
+
+# Chat messages are the prompt, so they may be longer than other JSON; a chat this long is far
+# beyond any context (check_prompt_size then measures what is left) and bounds the parse.
+MAX_CHAT_JSON_CHARS = 8 << 20
 
 
 def parse_messages(text: str) -> list[dict]:
@@ -266,9 +279,10 @@ def parse_messages(text: str) -> list[dict]:
     if not s.startswith("["):
         return [{"role": "user", "content": text}]
     try:
-        msgs = json.loads(s)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"text_input: chat messages are not valid JSON ({e.msg})") from None
+        msgs = json_input.loads("text_input", s, max_chars=MAX_CHAT_JSON_CHARS)
+    except ValueError as e:
+        raise ValueError(f"text_input: chat messages: {str(e).removeprefix('text_input: ')}") \
+            from None
     if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                            and isinstance(m.get("content"), str) for m in msgs):
         raise ValueError('text_input: chat messages must be a non-empty JSON list of '

@@ -1,7 +1,7 @@
-"""Fuzz the request path of the real server (HTTP generate, a few hundred derandomized cases):
-every answer is a valid result or an error with a message (the model's naming the field, or
-Triton's own for what it refuses before the model); the server stays READY and still gives the
-offline greedy text afterwards."""
+"""Fuzz the request path of the real server (HTTP generate, a few hundred derandomized cases, JSON
+inputs drawn hostile too): every answer is a valid result or an error with a message (the model's
+naming the field, or Triton's own for what it refuses before the model); the server stays READY
+and still gives the offline greedy text afterwards. Then hostile JSON between good requests."""
 from __future__ import annotations
 
 import collections
@@ -57,6 +57,16 @@ max_tokens = st.integers(0, 9).flatmap(lambda i: st.integers(1, MAX_NEW) if i < 
     st.sampled_from(["3", 2.5, None, True])))
 
 
+# JSON text in a string input, as a hostile client sends it: thousands of levels deep (json.loads
+# alone raises RecursionError), or long strings and lists.
+hostile_json = st.one_of(
+    st.integers(5_000, 20_000).map(lambda n: "[" * n + "]" * n),
+    st.integers(5_000, 20_000).map(lambda n: '{"stop": ' + "[" * n),
+    st.integers(5_000, 20_000).map(lambda n: json.dumps({"guided_json": '{"a": ' * n})),
+    st.sampled_from([10_000, 300_000]).map(lambda n: json.dumps({"stop": ["ab" * n]})),
+    st.sampled_from([10_000, 300_000]).map(lambda n: json.dumps({"stop": ["ab"] * n})))
+
+
 @st.composite
 def bodies(draw):
     body: dict = {"max_tokens": draw(max_tokens)}
@@ -65,6 +75,8 @@ def bodies(draw):
         body["text_input"] = draw(st.text(min_size=0 if kind == 0 else 1, max_size=40))
     elif kind < 17:
         body["text_input"] = draw(weird)
+    elif kind < 18:  # chat messages as JSON text
+        body["text_input"], body["chat"] = draw(hostile_json), True
     for name in draw(st.lists(st.sampled_from(sorted(VALUES)), max_size=4, unique=True)):
         body[name] = draw(VALUES[name])
     if draw(st.integers(0, 4)) == 0:
@@ -77,7 +89,7 @@ def bodies(draw):
                               max_size=3, unique=True))
         sp = {n: draw(VALUES.get(n, ints)) for n in names if n != "max_tokens"}
         body["sampling_parameters"] = draw(st.one_of(
-            st.just(json.dumps(sp)), st.text(max_size=12), weird))
+            st.just(json.dumps(sp)), st.text(max_size=12), weird, hostile_json))
     if draw(st.integers(0, 9)) == 0:
         body["no_such_key"] = draw(mostly(scalar_ok))
     return body
@@ -129,3 +141,85 @@ def test_fuzz_http_generate(server, greedy):
     assert generate({"text_input": prompt, "max_tokens": 12, "temperature": 0.0,
                      "stream": True}, "grpc", server.grpc_url)["text"] == greedy(prompt, 12)
     assert server.wait_metric("llm_kv_cache_blocks_used", lambda v: v == 0, timeout=30) == 0
+
+
+def _deep(levels: int, opener: str = "[", closer: str = "]", leaf: str = "") -> str:
+    return opener * levels + leaf + closer * levels
+
+
+# Requests that made execute() raise or were accepted unchecked (issue 54), and their kin: each
+# must be answered with an error naming its field while good requests around it are served.
+HOSTILE = [
+    ({"sampling_parameters": '{"stop": ' + _deep(10_000) + "}"},
+     "sampling_parameters: nested deeper than 64"),
+    ({"text_input": _deep(10_000), "chat": True},
+     "text_input: chat messages: nested deeper than 64"),
+    ({"sampling_parameters": json.dumps({"logprobs": 1_000_000})},
+     "sampling_parameters.logprobs: must be in [0, 20], got 1000000"),
+    ({"sampling_parameters": json.dumps({"guided_json": _deep(5_000, '{"a": ', "}", "1")})},
+     "sampling_parameters.guided_json: nested deeper than 64"),
+    ({"sampling_parameters": json.dumps({"response_format": '{"type": "json_schema", '
+                                         '"json_schema": {"schema": ' + _deep(6_000) + "}}"})},
+     "sampling_parameters.response_format: nested deeper than 64"),
+    ({"sampling_parameters": json.dumps({"stop": ["ab" * (3 << 20)]})},
+     "sampling_parameters: at most 4194304 characters of JSON"),
+    ({"sampling_parameters": '{"max_tokens": ' + "9" * 5_000 + "}"},
+     "sampling_parameters: not valid JSON (a number with too many digits)"),
+]
+
+
+def test_hostile_json_back_to_back_with_good_requests_on_one_stream(server, greedy):
+    """Good, every hostile request, good on one gRPC stream (Triton calls execute() once per
+    request here, in order): both good ones give the offline greedy text; each hostile one gets
+    its own clear error, in order, and no Python internals."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from client.generate import grpc_inputs
+    prompts = ["The capital of France is", "Water boils at"]
+    good = {"max_tokens": 8, "temperature": 0.0, "stream": True, "exclude_input_in_output": True}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer("llm", grpc_inputs({"text_input": prompts[0], **good}),
+                                  request_id="good-0", enable_empty_final_response=True)
+        for i, (fields, _) in enumerate(HOSTILE):
+            client.async_stream_infer("llm", grpc_inputs({"text_input": "hi", "max_tokens": 4,
+                                                          **fields}),
+                                      request_id=f"bad-{i}", enable_empty_final_response=True)
+        client.async_stream_infer("llm", grpc_inputs({"text_input": prompts[1], **good}),
+                                  request_id="good-1", enable_empty_final_response=True)
+        texts, finished, errors = {"good-0": "", "good-1": ""}, set(), []
+        while len(finished) < 2 or len(errors) < len(HOSTILE):
+            result, error = q.get(timeout=300)
+            if error is not None:  # a stream error carries no request id: they come in order
+                errors.append(error.message())
+                continue
+            resp = result.get_response()
+            assert resp.id in texts, resp.id  # a hostile request never gets a result
+            if resp.outputs:
+                texts[resp.id] += result.as_numpy("text_output").reshape(-1)[0].decode()
+            if resp.parameters["triton_final_response"].bool_param:
+                finished.add(resp.id)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [texts["good-0"], texts["good-1"]] == greedy.many(prompts, 8)
+    for message, (_, expected) in zip(errors, HOSTILE):
+        assert expected in message, (expected, message[:300])
+        for leak in ("RecursionError", "Exception", "Traceback", "recursion", "sys."):
+            assert leak not in message, message[:300]
+    assert server.ready()
+    assert server.wait_metric("llm_kv_cache_blocks_used", lambda v: v == 0, timeout=30) == 0
+
+
+def test_hostile_json_over_http_generate(server):
+    """The same through HTTP generate (its JSON body carries sampling_parameters as a string):
+    status 400, the error naming the field."""
+    for fields, expected in HOSTILE[:4]:
+        status, answer = _post(server.http_port, {"text_input": "hi", "max_tokens": 4, **fields})
+        assert status == 400 and expected in answer.get("error", ""), (status, answer)
+    status, answer = _post(server.http_port, {"text_input": "hi", "max_tokens": 4})
+    assert status == 200 and isinstance(answer.get("text_output"), str), answer
