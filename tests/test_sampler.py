@@ -269,3 +269,12 @@ def test_argmax_only_rows():
     guided = row(temperature=0)
     guided.guided = object()  # a started grammar: masked logits
     assert not s.argmax_only([plain, guided])
+
+
+def test_stop_token_ids_are_capped():
+    """Each step tests every new token against stop_token_ids: a request cannot bring a list
+    long enough to slow the batch it shares (a 4 MiB sampling_parameters holds ~1M ids)."""
+    from backend import SamplingParams
+    SamplingParams(stop_token_ids=list(range(1024))).validate()
+    with pytest.raises(ValueError, match="stop_token_ids: at most 1024 ids, got 1025"):
+        SamplingParams(stop_token_ids=list(range(1025))).validate()

@@ -13,6 +13,8 @@ from backend.engine.guided_spec import GuidedSpec, guided_spec
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+# every step tests each new token against the list: a huge one would slow the whole batch
+MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (and vLLM's default max_logprobs)
 
 
@@ -95,6 +97,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")
         if self.top_logprobs is not None:
             _int_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
