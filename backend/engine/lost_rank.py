@@ -62,7 +62,8 @@ def find_lost(group: Group, exc: BaseException | None = None,
               wait_s: float = LOST_RANK_WAIT_S) -> LostRanks:
     """The ranks the group finds gone, polled for up to `wait_s`. If none shows (a rank stuck,
     or a host that vanished without closing its sockets), the peer address in a gloo error
-    names the remote rank(s) on that host, or just the host when no rank is known there."""
+    names the remote rank(s) that joined from that host (step_error names the host alone when
+    none did)."""
     remote = group.local_ranks < group.world
     deadline = time.monotonic() + wait_s
     while True:
