@@ -12,6 +12,7 @@ import time
 from typing import Protocol
 
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.lost_rank import find_lost, rebuild_notice, step_error
 from backend.engine.outputs import RequestOutput
 from backend.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class AsyncEngine:
         self._stopping = False
         self._ready = threading.Event()
         self._warmup_error: BaseException | None = None
+        self._refusal: str | None = None  # set while a multi-host TP group is being rebuilt
         self._thread = threading.Thread(target=self._run, args=(warm_up,), name="engine",
                                         daemon=True)
         self._thread.start()
@@ -71,6 +73,8 @@ class AsyncEngine:
                     sink: OutputSink | None = None) -> OutputSink:
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
+        if self._refusal is not None:
+            raise RuntimeError(self._refusal)
         prepared = self.engine.prepare_request(request_id, prompt, params)
         sink = sink if sink is not None else RequestStream(request_id)
         self._commands.put(("add", prepared, sink))
@@ -109,6 +113,8 @@ class AsyncEngine:
                 break
             if not self.engine.has_unfinished():
                 if self.engine.needs_recovery:
+                    if self._refusal is None:  # a rank died between steps
+                        self._refusal = rebuild_notice(find_lost(self.engine.group, wait_s=0))
                     self._recover()
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -116,8 +122,10 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails its requests, never the thread
-                log.exception("engine step failed")
-                outputs = self.engine.abort_all("error", f"engine step failed: {e}")
+                log.exception("engine step failed")  # the details stay in the log
+                error, lost = step_error(self.engine.group, e)
+                self._refusal = rebuild_notice(lost)  # before the failures reach the clients
+                outputs = self.engine.abort_all("error", error)
                 self._route(outputs)
                 if self.engine.needs_recovery:
                     self._recover()
@@ -126,9 +134,13 @@ class AsyncEngine:
         self._route(self.engine.abort_all("abort", "the engine shut down"))
 
     def _recover(self) -> None:
-        """A TP worker died: rebuild the group; requests arriving meanwhile wait in the queue."""
+        """A TP worker died: rebuild the group; requests arriving meanwhile wait in the queue
+        (one host) or are refused (a group across hosts: lost_rank.rebuild_notice)."""
+        if self._refusal:
+            log.warning("%s", self._refusal)
         try:
             self.engine.recover()
+            self._refusal = None
         except Exception:
             log.exception("rebuilding the tensor-parallel group failed; retrying in 5s")
             time.sleep(5.0)

@@ -141,6 +141,17 @@ def join(addr: str, port: int, authkey: bytes, rank: int,
     return conn, body
 
 
+def peer_host(conn: Connection) -> str:
+    """The address a step channel's other end connects from (what names a lost remote rank)."""
+    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a dup, same socket
+    try:
+        return sock.getpeername()[0]
+    except OSError:
+        return "unknown"
+    finally:
+        sock.close()
+
+
 def route_address(host: str, port: int) -> str:
     """This host's address on the route to `host`: the one gloo binds to, so rank 0 reaches it
     (a hostname may resolve to an address of another interface, or to none at all)."""

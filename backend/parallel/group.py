@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from backend.parallel.channel import RankListener, resolve_authkey
+from backend.parallel.channel import RankListener, peer_host, resolve_authkey
 from backend.parallel.comm_select import connect, local_segment, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.shm_comm import PeerLostError
@@ -62,6 +63,7 @@ class TPGroup:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
         self._remote: dict[int, Connection] = {}  # rank -> step channel, multi-host
+        self.remote_hosts: dict[int, str] = {}  # rank -> the address it joined from
         self._listener = None
         self._store_dir = tempfile.mkdtemp(prefix="tpllm-tp-")
         self.comm = None
@@ -136,6 +138,7 @@ class TPGroup:
                 conn.close()
                 continue
             self._remote[rank] = conn
+            self.remote_hosts[rank] = peer_host(conn)
             waiting.discard(rank)
             log.info("tensor-parallel rank %d joined", rank)
         self._listener.close()
@@ -222,6 +225,14 @@ class TPGroup:
     def workers_alive(self) -> bool:
         return (all(p.is_alive() for p in self._procs)
                 and all(_channel_open(c) for c in self._remote.values()))
+
+    def lost_ranks(self) -> dict[int, str]:
+        """rank -> host of the ranks found gone now (engine/lost_rank.py names them)."""
+        here = socket.gethostname()
+        lost = {r: here for r, p in enumerate(self._procs, start=1) if not p.is_alive()}
+        lost.update((r, self.remote_hosts.get(r, "unknown")) for r, c in self._remote.items()
+                    if not _channel_open(c))
+        return lost
 
     def broadcast(self, step) -> None:
         """Send one step to every worker: one pickled message each."""

@@ -40,6 +40,7 @@ COUNTERS = {
     "llm_spec_draft_tokens_total": "Speculative decoding: n-gram draft tokens verified",
     "llm_spec_accepted_tokens_total": "Of llm_spec_draft_tokens_total, drafts the model agreed "
                                       "with (tokens that took no step of their own)",
+    "llm_tp_group_rebuilds_total": "Tensor-parallel groups rebuilt after a rank was lost",
 }
 GAUGES = {
     "llm_num_requests_running": "Requests in the running batch",
@@ -101,7 +102,7 @@ class Metrics:
         """`snapshot`: the GAUGES names and, for counters, cumulative engine totals
         (steps, sampled_tokens, scheduled_tokens, preemptions, cold_path, model_seconds,
         collective_seconds, prefix_cache_queries, prefix_cache_hits, spec_draft_tokens,
-        spec_accepted_tokens)."""
+        spec_accepted_tokens, recoveries)."""
         now = time.monotonic()
         if not force and now < self._next_refresh:
             return
@@ -121,7 +122,8 @@ class Metrics:
                           ("prefix_cache_queries", "llm_prefix_cache_queries_total"),
                           ("prefix_cache_hits", "llm_prefix_cache_hits_total"),
                           ("spec_draft_tokens", "llm_spec_draft_tokens_total"),
-                          ("spec_accepted_tokens", "llm_spec_accepted_tokens_total")):
+                          ("spec_accepted_tokens", "llm_spec_accepted_tokens_total"),
+                          ("recoveries", "llm_tp_group_rebuilds_total")):
             v = snapshot.get(key)
             if v is None:
                 continue
@@ -156,5 +158,5 @@ def engine_snapshot(engine) -> dict[str, float]:
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "spec_draft_tokens": stats.spec_draft_tokens,
-        "spec_accepted_tokens": stats.spec_accepted_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens, "recoveries": stats.recoveries,
     }

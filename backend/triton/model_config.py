@@ -1,10 +1,16 @@
 """config.pbtxt `parameters` -> engine settings and adapter options (pure: plain dicts in/out).
 
-Every parameter is a string (Triton's `string_value`); empty or an unfilled "${...}" template
-means "use the default". A bad value is a load error naming the parameter.
+Every parameter is a string (Triton's `string_value`); empty means "use the default". A value
+"${NAME}" is the environment variable NAME of the server (the Python-backend stub inherits it),
+"${NAME:-text}" the same with `text` when NAME is unset or empty, so one config.pbtxt serves pods
+that differ only in their environment (deploy/kubernetes/); an unset "${NAME}" means the default,
+as an unfilled template does. A bad value is a load error naming the parameter.
 """
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # parameter name -> (type, EngineConfig field)
@@ -45,12 +51,25 @@ class AdapterOptions:
     log_level: str = "INFO"
 
 
-def parameter_values(model_config: dict) -> dict[str, str]:
-    """{name: string value} of the set parameters (empty and "${...}" values dropped)."""
+_FROM_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?\}", re.DOTALL)
+
+
+def _expand(s: str, env: Mapping[str, str]) -> str:
+    """A whole-value "${NAME}" / "${NAME:-text}" read from `env`; any other value as it is."""
+    m = _FROM_ENV.fullmatch(s)
+    if m is None:
+        return s
+    return (env.get(m.group(1)) or "").strip() or (m.group(2) or "").strip()
+
+
+def parameter_values(model_config: dict, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{name: string value} of the set parameters ("${NAME}" values read from `env`, default
+    os.environ; empty values dropped)."""
+    env = os.environ if env is None else env
     out = {}
     for name, v in (model_config.get("parameters") or {}).items():
         s = v.get("string_value", "") if isinstance(v, dict) else str(v)
-        s = s.strip()
+        s = _expand(s.strip(), env)
         if s and not (s.startswith("${") and s.endswith("}")):
             out[name] = s
     return out
@@ -71,12 +90,13 @@ def _convert(name: str, typ: type, s: str):
         raise ValueError(f"parameter {name}: must be {kind}, got {s!r}") from None
 
 
-def parse_parameters(model_config: dict) -> tuple[dict, AdapterOptions]:
+def parse_parameters(model_config: dict, env: Mapping[str, str] | None = None
+                     ) -> tuple[dict, AdapterOptions]:
     """(EngineConfig keyword arguments, AdapterOptions). Unknown parameters are errors, so a typo
     in config.pbtxt does not silently fall back to a default."""
     engine_kwargs: dict = {}
     opts = AdapterOptions()
-    for name, s in parameter_values(model_config).items():
+    for name, s in parameter_values(model_config, env).items():
         if name in ENGINE_PARAMETERS:
             typ, field = ENGINE_PARAMETERS[name]
             engine_kwargs[field] = _convert(name, typ, s)
