@@ -46,7 +46,8 @@ def run_batch(url: str, requests: list[tuple[str, int]]) -> dict:
     for i, (prompt, max_tokens) in enumerate(requests):
         client.async_stream_infer("llm", grpc_inputs(
             {"text_input": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": False,
-             "temperature": 0.0, "exclude_input_in_output": True}), request_id=str(i))
+             "temperature": 0.0, "exclude_input_in_output": True,
+             "return_num_output_tokens": True}), request_id=str(i))
     tokens, errors = 0, 0
     for _ in requests:
         result, error = q.get(timeout=1800)

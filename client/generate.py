@@ -92,7 +92,7 @@ def generate_grpc(fields: dict, url: str, model: str, on_text=None, timeout: flo
             for k in OUTPUTS:
                 v = _scalar(result, k) if resp.outputs else None
                 if v is not None:
-                    out[k] = v
+                    _merge(out, k, v)
             if final:
                 return out
     finally:
@@ -126,7 +126,9 @@ def generate_http(fields: dict, url: str, model: str, on_text=None, timeout: flo
                 out["text"] += text
                 if on_text:
                     on_text(text)
-            out.update({k: ev[k] for k in OUTPUTS if k in ev})
+            for k in OUTPUTS:
+                if k in ev:
+                    _merge(out, k, ev[k])
         return out
     finally:
         conn.close()
@@ -143,8 +145,24 @@ def _sse(resp):
         yield {"error": f"HTTP {resp.status}"}
 
 
+# The model sends an optional output only when its return_* input is true (vllm_backend's rule),
+# then on every response; num_output_tokens then counts the tokens new on each response.
+USAGE_FLAGS = {"return_finish_reason": True, "return_num_input_tokens": True,
+               "return_num_output_tokens": True}
+
+
+def _merge(out: dict, name: str, v) -> None:
+    """One response's optional output into `out`: num_output_tokens summed, others the latest."""
+    if name == "num_output_tokens":
+        out[name] = out.get(name, 0) + v
+    else:
+        out[name] = v
+
+
 def generate(fields: dict, protocol: str = "grpc", url: str | None = None, model: str = "llm",
              on_text=None) -> dict:
+    """One request; `fields` asks for finish_reason and usage unless it sets their flags."""
+    fields = {**USAGE_FLAGS, **fields}
     url = url or DEFAULT_URL[protocol]
     fn = generate_grpc if protocol == "grpc" else generate_http
     return fn(fields, url, model, on_text)

@@ -76,7 +76,7 @@ def make_specs(n: int, seed: int, cancel_fraction: float, invalid_fraction: floa
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
         fields = {"text_input": f"Request {i}. {prompt}", "max_tokens": rng.randint(*max_tokens),
                   "temperature": rng.choice([0.0, 0.0, 0.8]), "ignore_eos": rng.random() < 0.5,
-                  "exclude_input_in_output": True}
+                  "exclude_input_in_output": True, "return_num_output_tokens": True}
         if fields["temperature"]:
             fields.update(seed=rng.randrange(2**32), top_p=0.95)
         protocol = rng.choice(PROTOCOLS)
@@ -120,8 +120,8 @@ def _run_grpc(spec: Spec, url: str, timeout: float) -> Outcome:
             if resp.outputs:
                 out.responses += 1
                 n = _np_scalar(result, "num_output_tokens")
-                if n is not None:
-                    out.num_output_tokens = n
+                if n is not None:  # the tokens new on this response
+                    out.num_output_tokens = (out.num_output_tokens or 0) + n
             if resp.parameters["triton_final_response"].bool_param:
                 return _final(out, spec)
             if spec.cancel_after is not None and out.responses >= spec.cancel_after:
@@ -170,7 +170,8 @@ def _run_http(spec: Spec, url: str, timeout: float) -> Outcome:
             if "error" in ev:
                 return _error(out, spec, ev["error"])
             out.responses += 1
-            out.num_output_tokens = ev.get("num_output_tokens", out.num_output_tokens)
+            if ev.get("num_output_tokens") is not None:  # the tokens new on this event
+                out.num_output_tokens = (out.num_output_tokens or 0) + ev["num_output_tokens"]
             if spec.cancel_after is not None and out.responses >= spec.cancel_after:
                 out.kind = "cancelled"
                 return out

@@ -33,7 +33,7 @@ def test_vllm_sampling_parameters_json_with_string_values():
     p = r.params
     assert (p.max_tokens, p.min_tokens, p.ignore_eos, p.top_p, p.stop, p.stop_token_ids) == \
         (5, 5, True, 0.9, ["x"], [2])
-    assert r.stream is False and r.exclude_input_in_output is False
+    assert r.stream is False and r.exclude_input_in_output is None  # not given
 
 
 def test_precedence_tensor_over_parameters_over_sampling_json():
@@ -54,9 +54,10 @@ def test_request_parameters_types():
 def test_defaults_follow_vllm():
     r = parse_request({"text_input": b("x")})
     assert (r.params.max_tokens, r.params.temperature, r.stream) == (16, 1.0, False)
-    assert r.returns == {"finish_reason": None, "num_input_tokens": None,
-                         "num_output_tokens": None, "cumulative_logprob": None,
-                         "logprobs": None, "num_cached_tokens": None}
+    # vllm_backend: no optional output unless its return_* flag is true
+    assert r.returns == {"finish_reason": False, "num_input_tokens": False,
+                         "num_output_tokens": False, "cumulative_logprob": False,
+                         "logprobs": False, "num_cached_tokens": False}
     assert r.params.top_logprobs is None and not r.params.logprobs
 
 
@@ -85,7 +86,24 @@ def test_return_cumulative_logprob_turns_on_logprobs():
     ({"text_input": b("x"), "sampling_parameters": b('{"n": 3}')}, None, "sampling_parameters.n"),
     ({"text_input": b("x")}, {"ignore_eos": "maybe"}, "ignore_eos"),
     ({"text_input": b("x")}, {"max_tokens": 2.5}, "max_tokens"),
-    ({"text_input": b("x")}, {"seed": -1}, "seed"),
+    ({"text_input": b("x")}, {"seed": -2**63 - 1}, "seed"),
+    ({"text_input": b("x")}, {"seed": 2**64}, "seed"),
+    ({"text_input": b("x"), "sampling_parameters": b('{"lora_name": "sql"}')}, None,
+     "sampling_parameters.lora_name"),
+    ({"text_input": b("x")}, {"lora_name": "sql"}, "lora_name"),
+    ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
+        {"structured_outputs": {"structural_tag": "{}"}}))}, None,
+     "sampling_parameters.structured_outputs.structural_tag"),
+    ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
+        {"guided_decoding": {"json": {}, "regex": "a"}}))}, None,
+     "sampling_parameters.guided_decoding"),
+    ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
+        {"guided_decoding": {"jsn": {}}}))}, None, "sampling_parameters.guided_decoding.jsn"),
+    ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
+        {"structured_outputs": "{not json"}))}, None, "sampling_parameters.structured_outputs"),
+    ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
+        {"structured_outputs": {"choice": []}}))}, None,
+     "sampling_parameters.structured_outputs.choice"),
     ({"text_input": b("x")}, {"repetition_penalty": 0}, "repetition_penalty"),
     ({"text_input": b("x")}, {"stop_words": "[oops"}, "stop_words"),
     ({"text_input": b("x"), "chat": np.array([True])}, None, None),  # plain text: one user turn
@@ -114,14 +132,32 @@ def _out(text, n, finished=False):
     return RequestOutput("r", text, [1], finished, "length" if finished else None, 2, n)
 
 
-def test_streaming_sends_deltas_and_usage_on_the_final():
+def test_streaming_sends_deltas_and_no_optional_output_unasked():
     s = _state(stream=True)
     assert tensors_for(s, _out("", 1)) is None  # empty delta: nothing sent
     d = tensors_for(s, _out(" a", 2))
     assert list(d) == ["text_output"] and d["text_output"][0] == b" a"
     d = tensors_for(s, _out("b", 3, finished=True))
-    assert d["text_output"][0] == b"b" and d["finish_reason"][0] == b"length"
-    assert d["num_input_tokens"][0] == 2 and d["num_output_tokens"][0] == 3
+    assert list(d) == ["text_output"] and d["text_output"][0] == b"b"
+
+
+def test_streaming_vllm_backend_additional_outputs():
+    """vllm_backend's rules (ci/L0_additional_outputs_vllm): finish_reason "None" until the
+    final response; num_input_tokens on every response; num_output_tokens the tokens new on
+    each response (UINT32, as vllm_backend declares them)."""
+    s = _state(stream=True, return_finish_reason=True, return_num_input_tokens=True,
+               return_num_output_tokens=True)
+    assert tensors_for(s, _out("", 1)) is None
+    d = tensors_for(s, _out(" a", 2))
+    assert d["finish_reason"][0] == b"None" and d["num_input_tokens"][0] == 2
+    assert d["num_output_tokens"][0] == 2
+    assert d["num_input_tokens"].dtype == d["num_output_tokens"].dtype == np.uint32
+    d = tensors_for(s, _out("b", 3, finished=True))
+    assert d["finish_reason"][0] == b"length" and d["num_output_tokens"][0] == 1
+    s = _state(stream=False, return_finish_reason=True, return_num_output_tokens=True)
+    assert tensors_for(s, _out(" a", 1)) is None
+    d = tensors_for(s, _out("b", 2, finished=True))
+    assert d["finish_reason"][0] == b"length" and d["num_output_tokens"][0] == 2
 
 
 def test_num_cached_tokens_only_when_asked_for():
@@ -142,6 +178,23 @@ def test_non_streaming_prepends_prompt_unless_excluded():
     tensors_for(s, _out(" a", 1))
     d = tensors_for(s, _out("b", 2, True))
     assert d["text_output"][0] == b" ab" and "finish_reason" not in d
+
+
+def test_streaming_echo_puts_the_prompt_on_the_first_response_only():
+    s = _state(stream=True, exclude_input_in_output=False)
+    assert tensors_for(s, _out("", 1)) is None
+    assert tensors_for(s, _out(" a", 2))["text_output"][0] == b"Hi a"
+    assert tensors_for(s, _out("b", 3, finished=True))["text_output"][0] == b"b"
+    s = _state(stream=True)  # not given: a stream never repeats the prompt (vllm_backend)
+    assert tensors_for(s, _out(" a", 1))["text_output"][0] == b" a"
+
+
+def test_logprobs_output_is_null_without_k():
+    """vllm_backend: return_logprobs without `logprobs` in sampling_parameters sends JSON null
+    (and nothing is computed)."""
+    s = _state(stream=True, return_logprobs=True)
+    assert s.req.params.top_logprobs is None
+    assert tensors_for(s, _out("a", 1))["logprobs"][0] == b"null"
 
 
 def test_return_flag_true_on_every_response_and_requested_outputs():

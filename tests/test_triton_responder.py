@@ -106,7 +106,7 @@ def test_streams_deltas_and_records_metrics():
         responder.put(o)
     assert sender.done.wait(5)
     assert texts(sender) == [b" a", b" b", b" c"] and sender.sent[-1][1] == FINAL
-    assert sender.sent[-1][0].tensors["num_output_tokens"][0] == 3
+    assert "num_output_tokens" not in sender.sent[-1][0].tensors  # not asked for
     responder.stop()
     assert metrics.counter["llm_generation_tokens_total"].value == 3
     assert len(metrics.hist["llm_time_to_first_token_seconds"].observed) == 1
@@ -182,3 +182,44 @@ def test_collective_time_is_a_counter():
     metrics.refresh({"model_seconds": 3.5, "collective_seconds": 0.5})
     assert metrics.counter["llm_model_seconds_total"].value == 3.5
     assert metrics.counter["llm_collective_seconds_total"].value == 0.5
+
+
+def test_vllm_metric_families_observe_per_token():
+    """vllm:* families (labels model, version): TTFT once, time_per_output_token once per token
+    after the first, token counters per output, request histograms at the end, and gauges from
+    the engine snapshot (running/waiting kept as sums over replicas, KV usage a fraction)."""
+    from backend.triton.vllm_metrics import VllmMetrics
+    FakePB.MetricFamily.created = []
+    vllm = VllmMetrics(FakePB, {"model": "llm", "version": "1"}, max_model_len=2048)
+    metrics = Metrics(FakePB, {"model": "llm", "version": "1", "instance": "llm_0_0"}, vllm=vllm)
+    responder = Responder(FakePB, FakeEngine(), metrics, poll_interval=0.02, cancel_interval=0.02)
+    req = parse_request({"text_input": np.array([b"Hi"], dtype=object)}, {"stream": True})
+    sender = FakeSender()
+    responder.register(StreamState("r1", req, sender))
+    for o in (out(" a", 1), out(" b c", 3), out("", 3), out(" d", 4, True, "length")):
+        responder.put(o)
+    assert sender.done.wait(5)
+    responder.stop()
+    assert all(m.labels == {"model": "llm", "version": "1"} for m in FakePB.MetricFamily.created
+               if m.name.startswith("vllm:"))
+    assert len(vllm.hist["vllm:time_to_first_token_seconds"].observed) == 1
+    tpot = vllm.hist["vllm:time_per_output_token_seconds"].observed
+    assert len(tpot) == 3 and tpot[0] == tpot[1] and all(v >= 0 for v in tpot)
+    assert vllm.counter["vllm:generation_tokens_total"].value == 4
+    assert vllm.counter["vllm:prompt_tokens_total"].value == 3
+    assert vllm.hist["vllm:request_generation_tokens"].observed == [4]
+    assert vllm.hist["vllm:request_prompt_tokens"].observed == [3]
+    assert vllm.hist["vllm:request_params_n"].observed == [1]
+    assert len(vllm.hist["vllm:e2e_request_latency_seconds"].observed) == 1
+    snap = {"llm_num_requests_running": 2, "llm_num_requests_waiting": 1,
+            "llm_kv_cache_blocks_used": 16, "llm_kv_cache_blocks_total": 64, "preemptions": 3,
+            "prefix_cache_queries": 100, "prefix_cache_hits": 40}
+    metrics.refresh(snap, force=True)
+    metrics.refresh({**snap, "llm_num_requests_running": 1, "preemptions": 4}, force=True)
+    assert vllm.gauge["vllm:num_requests_running"].value == 1
+    assert vllm.gauge["vllm:num_requests_waiting"].value == 1
+    assert vllm.gauge["vllm:kv_cache_usage_perc"].value == 0.25
+    assert vllm.gauge["vllm:gpu_cache_usage_perc"].value == 0.25
+    assert vllm.counter["vllm:num_preemptions_total"].value == 4
+    assert vllm.counter["vllm:prefix_cache_hits_total"].value == 40
+    assert vllm.counter["vllm:prefix_cache_queries_total"].value == 100

@@ -111,7 +111,13 @@ class TritonLLMModel:
         self.engine.wait_ready()  # READY only after every bucket ran
         labels = {"model": name, "version": str(args.get("model_version", "")),
                   "instance": args["model_instance_name"]}
-        self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
+        if opts.enable_metrics:
+            from backend.triton.vllm_metrics import VllmMetrics
+            vllm = VllmMetrics(pb, {"model": name, "version": labels["version"]},
+                               self.llm.max_model_len) if opts.vllm_metrics else None
+            self.metrics = Metrics(pb, labels, vllm=vllm)
+        else:
+            self.metrics = NullMetrics()
         self.responder = Responder(pb, self.engine, self.metrics,
                                    snapshot=lambda: engine_snapshot(self.llm))
 

@@ -1,8 +1,10 @@
 """Custom Triton metrics of one replica (served on Triton's metrics port, Prometheus text format).
 
 All carry the labels model, version and instance. `pb` is triton_python_backend_utils (a fake in
-unit tests); each metric call is an IPC to the server (~15 us), so nothing is observed per token:
-latencies once per request, gauges and engine counters from a snapshot every `interval` seconds.
+unit tests); each metric call is an IPC to the server (~15 us), so the llm_* families observe
+nothing per token: latencies once per request, gauges and engine counters from a snapshot every
+`interval` seconds. The vLLM families (vllm_metrics.py, parameter vllm_metrics) observe
+time_per_output_token once per token, as vLLM does.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 
 HISTOGRAMS = {
     "llm_time_to_first_token_seconds": ("Time from request arrival to its first token", TTFT_BUCKETS),
-    "llm_inter_token_latency_seconds": ("Mean time between consecutive output tokens of a "
-                                        "request (observed once per request)", ITL_BUCKETS),
+    "llm_inter_token_latency_seconds": ("A request's mean time between consecutive output "
+                                        "tokens, (last - first) / (tokens - 1), observed once "
+                                        "per request (per token: "
+                                        "vllm:time_per_output_token_seconds)", ITL_BUCKETS),
     "llm_e2e_request_latency_seconds": ("Time from request arrival to its final response", E2E_BUCKETS),
 }
 COUNTERS = {
@@ -52,8 +56,9 @@ REQUESTS = "llm_requests_total"  # counter labelled by finish reason (stop, leng
 
 
 class Metrics:
-    def __init__(self, pb, labels: dict[str, str], interval: float = 0.1):
+    def __init__(self, pb, labels: dict[str, str], interval: float = 0.1, vllm=None):
         self.labels, self.interval = dict(labels), interval
+        self.vllm = vllm  # a vllm_metrics.VllmMetrics, or None (parameter vllm_metrics false)
         kind = pb.MetricFamily
         self._families = []  # keep families alive longer than their metrics
         self.hist, self.counter, self.gauge = {}, {}, {}
@@ -77,8 +82,16 @@ class Metrics:
         self._next_refresh = 0.0
 
     # ---- per request (response thread) ------------------------------------------------------
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, prompt_tokens: int = 0) -> None:
         self.hist["llm_time_to_first_token_seconds"].observe(seconds)
+        if self.vllm:
+            self.vllm.first_token(seconds, prompt_tokens)
+
+    def observe_tokens(self, n: int, gap: float | None) -> None:
+        """`n` new tokens on one engine output, `gap` seconds after the previous token (None
+        for the request's first)."""
+        if self.vllm:
+            self.vllm.tokens(n, gap)
 
     def observe_itl(self, seconds: float) -> None:
         self.hist["llm_inter_token_latency_seconds"].observe(seconds)
@@ -96,6 +109,8 @@ class Metrics:
             m = self._by_reason[reason] = self._req_family.Metric(
                 labels={**self.labels, "finish_reason": reason})
         m.increment(1)
+        if self.vllm:
+            self.vllm.request_finished(e2e, prompt_tokens, output_tokens)
 
     # ---- engine snapshot (response thread, rate-limited) ------------------------------------
     def refresh(self, snapshot: dict[str, float], force: bool = False) -> None:
@@ -107,6 +122,7 @@ class Metrics:
         if not force and now < self._next_refresh:
             return
         self._next_refresh = now + self.interval
+        increases: dict[str, float] = {}
         for name in GAUGES:
             v = snapshot.get(name)
             if v is not None and self._last_gauges.get(name) != v:
@@ -130,13 +146,17 @@ class Metrics:
             delta = v - self._last_engine.get(key, 0)
             if delta > 0:
                 self.counter[name].increment(delta)
+                increases[key] = delta
             self._last_engine[key] = v
+        if self.vllm:
+            self.vllm.refresh(snapshot, increases)
 
 
 class NullMetrics:
     """enable_metrics false: the same interface, no effect."""
 
-    def observe_ttft(self, seconds): pass
+    def observe_ttft(self, seconds, prompt_tokens=0): pass
+    def observe_tokens(self, n, gap): pass
     def observe_itl(self, seconds): pass
     def request_finished(self, reason, e2e, prompt_tokens, output_tokens): pass
     def refresh(self, snapshot, force=False): pass

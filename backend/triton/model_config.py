@@ -41,13 +41,15 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "tp_master_port": (int, "tp_master_port"),
     "tp_collective_timeout_s": (float, "tp_collective_timeout_s"),
 }
-ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "log_level": str}
+ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "vllm_metrics": bool,
+                      "log_level": str}
 
 
 @dataclass
 class AdapterOptions:
     gpu_device_ids: str = ""
     enable_metrics: bool = True
+    vllm_metrics: bool = True  # the vllm:* families beside llm_* (vllm_metrics.py)
     log_level: str = "INFO"
 
 

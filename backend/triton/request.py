@@ -14,6 +14,8 @@ import numpy as np
 
 from backend.engine import json_input
 from backend.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from backend.triton.vllm_compat import (STRUCTURED_KEYS, check_lora, seed_value,
+                                        structured_fields)
 
 # client name -> (kind, target). Targets starting with "." are adapter options, others are
 # SamplingParams fields. TensorRT-LLM names (min_length, random_seed, runtime_top_k/p) are aliases.
@@ -30,8 +32,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "repetition_penalty": ("float", "repetition_penalty"),
     "presence_penalty": ("float", "presence_penalty"),
     "frequency_penalty": ("float", "frequency_penalty"),
-    "seed": ("uint64", "seed"),
-    "random_seed": ("uint64", "seed"),
+    "seed": ("seed", "seed"),  # any int64 (vllm_compat.seed_value)
+    "random_seed": ("seed", "seed"),
     "stop_words": ("strs", "stop"),
     "stop": ("strs", "stop"),
     "stop_token_ids": ("ints", "stop_token_ids"),
@@ -44,6 +46,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "guided_choice": ("json", "guided_choice"),
     "guided_grammar": ("str", "guided_grammar"),
     "response_format": ("json", "response_format"),
+    # vLLM's structured-output dicts (the OpenAI frontend's named/required tool_choice)
+    "structured_outputs": ("structured", ".structured"),
+    "guided_decoding": ("structured", ".structured"),
+    "lora_name": ("lora", ".lora_name"),
     "beam_width": ("int", ".beam_width"),
     "n": ("int", ".beam_width"),
     "best_of": ("int", ".best_of"),  # older OpenAI frontends forward it (default 1)
@@ -79,12 +85,13 @@ class ParsedRequest:
     prompt: str
     params: SamplingParams
     stream: bool = False
-    exclude_input_in_output: bool = False
+    # None = not given: the prompt is prepended to a non-streaming reply only (vLLM backend);
+    # False (given) prepends it to a stream's first response too (OpenAI's echo).
+    exclude_input_in_output: bool | None = None
     chat: bool = False
     messages: list | None = None
-    # None = the default (finish_reason/num_*_tokens on the final response; no logprob);
-    # True = on every response; False = never.
-    returns: dict[str, bool | None] = field(default_factory=dict)
+    # output name -> sent on every response (its return_* flag is true) or never (vLLM backend)
+    returns: dict[str, bool] = field(default_factory=dict)
 
 
 def _one(name: str, v):
@@ -113,6 +120,12 @@ def _text(name: str, v) -> str:
 
 def convert(name: str, kind: str, v):
     """One client value -> the Python value of `kind`, or ValueError naming `name`."""
+    if kind == "structured":
+        return structured_fields(name, v if isinstance(v, (dict, list)) else _one(name, v))
+    if kind == "lora":
+        v = None if v is None else _text(name, _one(name, v))
+        check_lora(name, v)
+        return v
     if kind in ("str", "json"):
         v = _text(name, _one(name, v)) if not isinstance(v, (dict, list)) else v
         if kind == "json":
@@ -180,8 +193,8 @@ def convert(name: str, kind: str, v):
         v = int(v)
     if not isinstance(v, int):
         raise ValueError(f"{name}: must be an integer, got {v!r}")
-    if kind == "uint64" and not 0 <= v < 2**64:
-        raise ValueError(f"{name}: must be in [0, 2^64), got {v}")
+    if kind == "seed":
+        return seed_value(name, v)
     return v
 
 
@@ -220,6 +233,8 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
                 kind = FIELDS[k][0]
                 if isinstance(v, list) and kind not in ("strs", "ints", "json"):  # JSON, not a tensor
                     raise ValueError(f"{name}: must be a single value, not a list ({v!r})")
+                if kind == "strs" and isinstance(v, str):
+                    v = [v]  # a JSON string here is one stop string, never a JSON list in text
                 values[FIELDS[k][1]] = (name, convert(name, kind, v))
     for k, v in (parameters or {}).items():
         if k in FIELDS:
@@ -233,7 +248,8 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
         if opts.get(opt, 1) != 1:
             name = values["." + opt][0]
             raise ValueError(f"{name}: only 1 is supported (no beam search / parallel sampling)")
-    returns = {f: opts.get(f"return_{f}") for f in RETURN_FIELDS}
+    _merge_structured(values, kwargs, opts.pop("structured", None))
+    returns = {f: bool(opts.get(f"return_{f}")) for f in RETURN_FIELDS}
     if returns["cumulative_logprob"]:
         kwargs["logprobs"] = True
     try:
@@ -246,25 +262,39 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
             msg = values[target][0] + msg[len(target):]
         raise ValueError(msg) from None
     req = ParsedRequest(prompt, params, opts.get("stream", False),
-                        opts.get("exclude_input_in_output", False), opts.get("chat", False),
+                        opts.get("exclude_input_in_output"), opts.get("chat", False),
                         returns=returns)
     if req.chat:
         req.messages = parse_messages(prompt)
     return req
 
 
+def _merge_structured(values: dict, kwargs: dict, fields: dict | None) -> None:
+    """The guided_* fields a structured_outputs / guided_decoding dict maps to, unless the
+    request also names a constraint directly (then it is an error: one constraint)."""
+    if not fields:
+        return
+    name = values[".structured"][0]
+    for target in (*STRUCTURED_KEYS.values(), "response_format"):
+        if kwargs.get(target) is not None:
+            raise ValueError(f"{name}: a constraint is also given as {values[target][0]}; "
+                             "give one")
+    for target, v in fields.items():
+        kwargs[target] = v
+        key = {f: k for k, f in STRUCTURED_KEYS.items()}.get(target, "json_object")
+        values[target] = (f"{name}.{key}", v)
+
+
 def _resolve_top_logprobs(kwargs: dict, returned: bool) -> None:
     """Per-token logprobs are computed only when the `logprobs` output is asked for (the vLLM
-    backend's `return_logprobs`), then with k alternatives (0 = the chosen token alone when
-    sampling_parameters names none). Without it they are never sent, so not computed; the value
-    is still checked, as vLLM refuses a `logprobs` above its maximum whatever is returned."""
+    backend's `return_logprobs`) and sampling_parameters names k (0 = the chosen token alone).
+    Without k the output is JSON null, as vLLM's (its SamplingParams.logprobs is None). The value
+    is checked either way, as vLLM refuses a `logprobs` above its maximum whatever is returned."""
     k = kwargs.get("top_logprobs")
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     if not returned:
         kwargs.pop("top_logprobs", None)
-    elif kwargs.get("top_logprobs") is None:
-        kwargs["top_logprobs"] = 0
 
 
 # Chat messages are the prompt, so they may be longer than other JSON; a chat this long is far

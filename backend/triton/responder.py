@@ -154,9 +154,13 @@ class Responder:
             code = getattr(pb.TritonError, "INVALID_ARG", None) if out.invalid else None
             self.send_error(state.sender, msg, code)
             return False
+        n_before, t_before = state.num_output_tokens, state.last_token_time
         ttft = record_tokens(state, out, now)
         if ttft is not None:
-            self.metrics.observe_ttft(ttft)
+            self.metrics.observe_ttft(ttft, out.num_input_tokens)
+        if state.num_output_tokens > n_before:
+            self.metrics.observe_tokens(state.num_output_tokens - n_before,
+                                        None if t_before is None else now - t_before)
         tensors = tensors_for(state, out)
         if out.finished:
             self._finished(state, out, now)

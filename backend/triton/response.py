@@ -2,7 +2,12 @@
 
 Pure (no Triton import): the adapter wraps the returned dicts into pb_utils tensors.
 Streaming sends each non-empty text delta; non-streaming sends one response at the end, with the
-prompt prepended unless exclude_input_in_output (the TensorRT-LLM / vLLM backend convention).
+prompt prepended unless exclude_input_in_output (the TensorRT-LLM / vLLM backend convention). A
+stream with exclude_input_in_output given as false carries the prompt on its first response
+(OpenAI's `echo`). The optional outputs follow vllm_backend's rules (its
+ci/L0_additional_outputs_vllm test): each is sent only when its return_* flag is true, then on
+every response; a non-final finish_reason is the string "None"; num_input_tokens and
+num_output_tokens are UINT32, num_output_tokens counting the tokens new on that response.
 """
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ import numpy as np
 from backend.engine.outputs import RequestOutput
 from backend.triton.request import ParsedRequest
 
-FINAL_BY_DEFAULT = ("finish_reason", "num_input_tokens", "num_output_tokens")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class StreamState:
     # deltas; non-streaming sends once): their logprobs, and how many tokens were reported.
     pending_logprobs: list = field(default_factory=list)
     reported_output_tokens: int = 0
+    sent_text: bool = False  # a response with text went out (the streamed echo goes first)
 
 
 def _bytes(s: str) -> np.ndarray:
@@ -45,20 +50,21 @@ def _bytes(s: str) -> np.ndarray:
 def _fields(state: StreamState, out: RequestOutput, final: bool) -> dict:
     d = {}
     for name in ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
-                 "num_cached_tokens"):  # num_cached_tokens: only when asked for
-        flag = state.req.returns.get(name)
-        want = flag is True or (flag is None and final and name in FINAL_BY_DEFAULT)
-        if not want or (state.requested is not None and name not in state.requested):
+                 "num_cached_tokens"):
+        if not state.req.returns.get(name) or (
+                state.requested is not None and name not in state.requested):
             continue
-        if name == "finish_reason":
-            d[name] = _bytes(out.finish_reason or "")
+        if name == "finish_reason":  # vLLM's str(None) until the request ends
+            d[name] = _bytes((out.finish_reason or "None") if final else "None")
         elif name == "cumulative_logprob":
             if out.cumulative_logprob is not None:
                 d[name] = np.array([out.cumulative_logprob], dtype=np.float32)
-        elif name == "num_output_tokens" and flag is True:
-            # on every response (vLLM backend contract): the tokens since the previous
-            # response, so a client (the OpenAI frontend's streaming usage) can sum them
-            d[name] = np.array([out.num_output_tokens - state.reported_output_tokens], np.int32)
+        elif name == "num_output_tokens":
+            # the tokens since the previous response, so a client (the OpenAI frontend's
+            # streaming usage) sums them; a non-streaming reply carries the total
+            d[name] = np.array([out.num_output_tokens - state.reported_output_tokens], np.uint32)
+        elif name == "num_input_tokens":
+            d[name] = np.array([out.num_input_tokens], dtype=np.uint32)
         else:
             d[name] = np.array([getattr(out, name)], dtype=np.int32)
     return d
@@ -71,6 +77,8 @@ def _logprobs_field(state: StreamState) -> dict:
     if not state.req.returns.get("logprobs") or (
             state.requested is not None and "logprobs" not in state.requested):
         return {}
+    if state.req.params.top_logprobs is None:  # no k in sampling_parameters: vLLM sends null
+        return {"logprobs": _bytes("null")}
     body = [{str(tid): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.decoded_token}
              for tid, t in pos.as_vllm_dict().items()} for pos in state.pending_logprobs]
     return {"logprobs": _bytes(json.dumps(body))}
@@ -93,6 +101,10 @@ def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
         text = out.text
         if not text and not final:
             return None
+        if (not state.sent_text and state.req.exclude_input_in_output is False
+                and not state.req.chat):
+            text = state.req.prompt + text
+    state.sent_text = state.sent_text or bool(text)
     d = {"text_output": _bytes(text)}
     d.update(_fields(state, out, final))
     d.update(_logprobs_field(state))

@@ -153,3 +153,97 @@ def test_bad_logprobs_is_an_error_for_that_request_only(server):
         infer(server.grpc_url, frontend_inputs(PROMPT, True, completions_sampling(4, logprobs=99),
                                                True))
     assert server.ready()
+
+
+# ---- the builder's other cases (server repo, engine/utils/triton.py, per release) ------------
+TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+               "required": ["city"], "additionalProperties": False}
+
+
+def structured_outputs_text(schema: dict) -> str:
+    """json.dumps(asdict(StructuredOutputsParams(json=tool.parameters.model_dump_json()))): a
+    named (or required) tool_choice, frontends from 25.11."""
+    return json.dumps({"json": json.dumps(schema), "regex": None, "choice": None,
+                       "grammar": None, "json_object": None, "disable_fallback": False,
+                       "disable_any_whitespace": False, "disable_additional_properties": False,
+                       "whitespace_pattern": None, "structural_tag": None, "_backend": None,
+                       "_backend_was_auto": False})
+
+
+def guided_decoding_text(schema: dict) -> str:
+    """json.dumps(asdict(GuidedDecodingParams.from_optional(json=...))): frontends 25.05-25.10."""
+    return json.dumps({"json": json.dumps(schema), "regex": None, "choice": None,
+                       "grammar": None, "json_object": None, "backend": None,
+                       "backend_was_auto": False, "disable_fallback": False,
+                       "disable_any_whitespace": False, "disable_additional_properties": False,
+                       "whitespace_pattern": None, "structural_tag": None})
+
+
+def old_frontend_inputs(prompt: str, stream: bool, sampling: dict) -> dict[str, np.ndarray]:
+    """Frontends 25.08-25.10: no return_logprobs tensor; chat's `logprobs: false` and
+    completions' `best_of: 1` stay in sampling_parameters."""
+    d = frontend_inputs(prompt, stream, sampling, False)
+    del d["return_logprobs"]
+    return d
+
+
+def test_completions_stream_with_echo_sends_the_prompt_first(server, greedy):
+    """`echo: true, stream: true` -> exclude_input_in_output false on a stream: the prompt
+    text comes first, then the completion."""
+    n = 8
+    responses = infer(server.grpc_url, frontend_inputs(
+        PROMPT, True, completions_sampling(n, temperature=0, ignore_eos=True), False, echo=True))
+    data = [r for r in responses if len(r) > 1]
+    assert data[0]["text_output"][0].decode().startswith(PROMPT)
+    assert not any(r["text_output"][0].decode().startswith(PROMPT) for r in data[1:])
+    view = frontend_view(responses)
+    assert view["text"] == PROMPT + greedy(PROMPT, n, ignore_eos=True)
+    assert view["usage"]["completion_tokens"] == n  # the echo is not counted as output
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_that_looks_like_json_is_one_stop_string(server, offline, stream):
+    from backend import SamplingParams
+    sampling = completions_sampling(12, temperature=0, stop="[END]")
+    view = frontend_view(infer(server.grpc_url, frontend_inputs(PROMPT, stream, sampling, False)))
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                  stop=["[END]"]))[0]
+    assert view["text"] == ref.text and view["text"]
+
+
+def test_seed_minus_one_is_accepted_and_reproducible(server):
+    """The OpenAI schema's seed is any int64: -1 is the same generator as 2^64 - 1."""
+    def text(seed):
+        return frontend_view(infer(server.grpc_url, frontend_inputs(
+            PROMPT, False, chat_sampling(10, seed=seed, temperature=1.0), False)))["text"]
+    a = text(-1)
+    assert a and a == text(-1) == text(2**64 - 1)
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_named_tool_choice_constrains_the_reply_to_the_tool_schema(server, offline, old):
+    """tool_choice {"type": "function", "function": {"name": ...}} -> structured_outputs (or
+    guided_decoding on older frontends) as JSON text in sampling_parameters."""
+    prompt = offline.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Where is the Eiffel tower?"}], tokenize=False,
+        add_generation_prompt=True)
+    key, text = (("guided_decoding", guided_decoding_text(TOOL_SCHEMA)) if old else
+                 ("structured_outputs", structured_outputs_text(TOOL_SCHEMA)))
+    sampling = chat_sampling(40, temperature=0, **{key: text})
+    if old:
+        sampling.update(logprobs=False, best_of=1)
+        inputs = old_frontend_inputs(prompt, False, sampling)
+    else:
+        inputs = frontend_inputs(prompt, False, sampling, False)
+    view = frontend_view(infer(server.grpc_url, inputs))
+    args = json.loads(view["text"])  # the tool call's arguments, as the frontend returns them
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+
+
+def test_structural_tag_is_a_per_request_error_and_the_server_stays_up(server, greedy):
+    bad = chat_sampling(8, structured_outputs=json.dumps({"structural_tag": '{"type": "x"}'}))
+    with pytest.raises(RuntimeError, match="structured_outputs.structural_tag: not supported"):
+        infer(server.grpc_url, frontend_inputs(PROMPT, False, bad, False))
+    view = frontend_view(infer(server.grpc_url, frontend_inputs(
+        PROMPT, False, completions_sampling(4, temperature=0), False)))
+    assert view["text"] == greedy(PROMPT, 4)
