@@ -385,7 +385,8 @@ class LLMEngine:
         parts = []
         for r in range(row, row + accepted + 1):
             parts.append(self._append_token(seq, sampled.token_ids[r], sampled.logprobs[r]))
-            self._attach_logprobs(parts[-1], sampled.position_logprobs[r])
+            self._attach_logprobs(parts[-1], sampled.position_logprobs[r],
+                                  seq.params.skip_special_tokens)
             if seq.finish_reason is not None:
                 return RequestOutput.merged(parts)
         if accepted:  # the accepted drafts' K/V (written this step) now count as computed
@@ -393,9 +394,11 @@ class LLMEngine:
             self.kv.cache_full_blocks(seq)
         return RequestOutput.merged(parts)
 
-    def _attach_logprobs(self, out: RequestOutput, pos) -> None:
+    def _attach_logprobs(self, out: RequestOutput, pos, skip_special_tokens: bool) -> None:
         """A token's logprobs (rows with params.top_logprobs) onto its output, with each token's
-        text (the tokenizer lives here, not in the sampler)."""
+        text (the tokenizer lives here, not in the sampler) as the request's text shows it: a
+        skipped special token's is "", as vLLM's."""
         if pos is not None:
-            out.logprobs = [decode_tokens(pos, self.tokenizer.decode)
-                            if self.tokenizer is not None else pos]
+            def decode(ids: list[int]) -> str:
+                return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            out.logprobs = [decode_tokens(pos, decode) if self.tokenizer is not None else pos]

@@ -116,18 +116,11 @@ def check_like_vllm_backend(results: list, stream: bool, sampling: dict, flags: 
 
 
 # (finish_reason, cumulative_logprob, logprobs k, return_logprobs, num_input, num_output)
-# Known divergence: vLLM's decoded_token of a special token is its text under the request's
-# skip_special_tokens (so "" for the end token), ours is tokenizer.decode([id]) ("<|im_end|>",
-# backend/engine/llm_engine.py decode_tokens). vllm_backend's test never meets it (its model runs
-# to max_tokens); SmolLM2 ends this prompt with its end token, so the logprobs-vs-text check
-# fails on the last position. strict: these flip to failures once the engine matches vLLM.
-DIVERGES = pytest.mark.xfail(strict=True, raises=AssertionError,
-                             reason="decoded_token of a skipped special token is not ''")
 CASES = [
     (None, None, None, None, None, None),
-    pytest.param((True, True, 2, True, True, True), marks=DIVERGES),
+    (True, True, 2, True, True, True),
     (False, False, 0, False, False, False),
-    pytest.param((True, None, 0, True, False, True), marks=DIVERGES),
+    (True, None, 0, True, False, True),
     (None, True, None, True, True, None),
     (False, True, 2, None, True, False),
     (True, False, None, False, None, True),
