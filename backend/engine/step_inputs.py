@@ -28,6 +28,7 @@ class StepInputs:
     prefills: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # start, len, ctx, blocks
     num_padding: int = 0  # trailing rows that attend to nothing (steps with prompt chunks)
     argmax_only: bool = False  # every sampling row takes its argmax only (Sampler.argmax_only)
+    lora_ids: np.ndarray | None = None  # [T] each row's LoRA adapter (0: none); None: no row has one
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +37,8 @@ class StepInputs:
     @property
     def shape_key(self) -> tuple[str, int]:
         """What warmup must have run for this step: the kind of step and its token count."""
-        return ("mixed" if self.prefills else "decode", self.num_tokens)
+        kind = "mixed" if self.prefills else "decode"
+        return (kind if self.lora_ids is None else f"{kind}+lora", self.num_tokens)
 
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
@@ -75,6 +77,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                         np.asarray(slots, dtype=np.int64),
                         np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
                         num_padding=num_padding)
+    if any(s.lora_id for s, _ in scheduled):  # padding rows (at the end) run with none
+        lora_ids = np.zeros(len(ids), dtype=np.int64)
+        lora_ids[:sum(n for _, n in scheduled)] = np.concatenate(
+            [np.full(n, s.lora_id, dtype=np.int64) for s, n in decodes + prefills])
+        inputs.lora_ids = lora_ids
     if decodes or pad_decodes:
         width = max([len(s.block_table) for s, _ in decodes] + [1])
         tables = np.full((rows + pad_decodes, width), SCRATCH_BLOCK, dtype=np.int64)
