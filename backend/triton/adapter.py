@@ -79,7 +79,10 @@ class TritonLLMModel:
 
         from backend.engine.config import EngineConfig
         from backend.engine.llm_engine import LLMEngine
-        try:
+        from backend.triton.lora_config import lora_modules
+        try:  # LoRA adapters: multi_lora.json in the version folder (errors name it)
+            engine_kwargs.update(lora_modules(engine_kwargs, args["model_repository"],
+                                              args.get("model_version", "")))
             cfg = EngineConfig(**engine_kwargs)
             self.llm = LLMEngine(cfg, defer_warmup=True)  # warmed on the engine thread
         except Exception as e:
@@ -111,6 +114,9 @@ class TritonLLMModel:
         labels = {"model": name, "version": str(args.get("model_version", "")),
                   "instance": args["model_instance_name"]}
         self.metrics = Metrics(pb, labels) if opts.enable_metrics else NullMetrics()
+        from backend.triton.lora_metrics import LoraRequests
+        self.lora_requests = LoraRequests(pb, labels) if (
+            opts.enable_metrics and self.llm.loras.ids) else None
         self.responder = Responder(pb, self.engine, self.metrics,
                                    snapshot=lambda: engine_snapshot(self.llm))
 
@@ -153,6 +159,9 @@ class TritonLLMModel:
         except RuntimeError as e:  # the engine is shutting down
             self.responder.unregister(rid)
             self.responder.send_error(sender, str(e), getattr(pb.TritonError, "UNAVAILABLE", None))
+        else:
+            if self.lora_requests is not None:
+                self.lora_requests.count(req.params.lora_name)
 
     def _reject(self, sender, message: str) -> None:
         log.info("invalid request: %s", message)
