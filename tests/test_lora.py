@@ -10,6 +10,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.engine.kv_manager import KVCacheManager
+from backend.engine.speculation import StepCost
 from backend.engine.sequence import Sequence
 from backend.model.config import ModelConfig
 from backend.model.lora_adapter import LoraAdapterError, load_adapter
@@ -79,7 +80,9 @@ def test_speculation_and_one_adapter_per_step(tmp_path):
     want = _reference(model, adapters, prompts)
     with LLM(model=str(model), enable_lora=True, max_loras=1, max_lora_rank=8,
              num_kv_blocks=128, block_size=4, speculative_ngram=3, speculative_ngram_match=2,
+             max_num_seqs=16, max_num_batched_tokens=64, warmup=False,
              lora_modules={k: str(v) for k, v in adapters.items()}) as llm:
+        llm.engine.speculator.cost = StepCost(per_row=0.0)  # draft wherever a copy is followed
         jobs = [(name, i) for name in ("x", None, "y") for i in range(len(prompts))]
         outs = llm.generate([prompts[i] for _, i in jobs], [_params(n) for n, _ in jobs])
         assert {job: o.token_ids for job, o in zip(jobs, outs)} == want
@@ -93,7 +96,7 @@ def test_tensor_parallel_shards_adapters(tmp_path):
     prompts = _prompts()
     want = _reference(model, adapters, prompts)
     with LLM(model=str(model), tensor_parallel_size=2, enable_lora=True, max_lora_rank=8,
-             num_kv_blocks=64, block_size=8, max_num_seqs=8,
+             num_kv_blocks=64, block_size=8, max_num_seqs=8, warmup=False,
              lora_modules={"a": str(adapters["a"])}) as llm:
         jobs = [(name, i) for i in range(len(prompts)) for name in (None, "a")]
         outs = llm.generate([prompts[i] for _, i in jobs], [_params(n) for n, _ in jobs])

@@ -46,6 +46,10 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
     # a decode with drafts runs as 1 + drafts decode rows of the same sequence (speculation.py)
     decodes = [(s, n) for s, n in scheduled if n == 1 or s.draft_token_ids]
     prefills = [(s, n) for s, n in scheduled if n > 1 and not s.draft_token_ids]
+    lora = any(s.lora_id for s, _ in scheduled)
+    if lora:  # each adapter's rows together: its group is a slice (lora_layers.row_groups)
+        decodes.sort(key=lambda sn: sn[0].lora_id)
+        prefills.sort(key=lambda sn: sn[0].lora_id)
     rows = sum(n for _, n in decodes)
     scratch = SCRATCH_BLOCK * block_size
     pad_decodes = plan.decode_bucket(rows) - rows if plan and not prefills else 0
@@ -77,7 +81,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                         np.asarray(slots, dtype=np.int64),
                         np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
                         num_padding=num_padding)
-    if any(s.lora_id for s, _ in scheduled):  # padding rows (at the end) run with none
+    if lora:  # padding rows (at the end) run with none
         lora_ids = np.zeros(len(ids), dtype=np.int64)
         lora_ids[:sum(n for _, n in scheduled)] = np.concatenate(
             [np.full(n, s.lora_id, dtype=np.int64) for s, n in decodes + prefills])

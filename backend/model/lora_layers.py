@@ -9,11 +9,15 @@ and the rows of B its output rows are made of; a row-parallel one (o, down) keep
 its input slice and B whole, and its delta joins the partial sum before the all-reduce. A merged
 layer (qkv, gate_up) stacks its targets' A matrices ([n * r, in]) and places each B in its own
 output rows and rank columns of one [out, n * r] matrix (zeros elsewhere: adding them changes no
-value), so a group costs two matrix products per layer. The scale is folded into B.
+value), so a group costs two matrix products per layer. The scale is folded into B. The products
+run on the layer's own kernels (ops.linear: on CPU the C++ GEMV for a decode step's few rows,
+where torch.mm's small GEMMs waited on waking OpenMP threads: 2 threads, [4, 576] x [576, 24]
+took ~50x the C++ call's time under load).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -37,8 +41,8 @@ class LoraRows:
 class LoraSlot:
     """One linear's adapters: weights[id] = (A [R, in_local], B [out_local, R]) or None."""
 
-    def __init__(self, rows: LoraRows, num_adapters: int):
-        self.rows = rows
+    def __init__(self, rows: LoraRows, num_adapters: int, ops: ModuleType):
+        self.rows, self.ops = rows, ops
         self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * (num_adapters + 1)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -49,10 +53,11 @@ class LoraSlot:
             if w is None:  # this adapter leaves this layer as it is
                 continue
             a, b = w
+            linear = self.ops.linear
             if isinstance(rows, slice):
-                y[rows] += torch.mm(torch.mm(x[rows], a.t()), b.t())
+                y[rows] += linear(linear(x[rows], a), b)
             else:
-                y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a.t()), b.t()))
+                y.index_add_(0, rows, linear(linear(x.index_select(0, rows), a), b))
         return y
 
 
@@ -74,7 +79,7 @@ def attach_adapters(model, adapters: Sequence[LoraAdapter]) -> LoraRows | None:
 
 def _slot(linear, adapters: Sequence[LoraAdapter], rows: LoraRows) -> LoraSlot:
     if linear.lora is None:
-        linear.lora = LoraSlot(rows, len(adapters))
+        linear.lora = LoraSlot(rows, len(adapters), linear.ops)
     return linear.lora
 
 
