@@ -208,6 +208,20 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench_decode")
 
 
+def _cmd_bench_lora(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("lora", help="LoRA adapters vs the base model: batch-1 TPOT, "
+                                      "concurrent requests over several adapters")
+    _runtime_args(p)
+    p.add_argument("--adapters", type=int, default=4, help="random adapters (default 4)")
+    p.add_argument("--rank", type=int, default=8, help="their rank (default 8)")
+    p.add_argument("--requests", type=int, default=None, help="concurrent requests (default 16)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of each kind (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/lora-<ts>.json)")
+    p.set_defaults(runner="client.bench_lora")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
@@ -222,6 +236,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     _cmd_bench_decode(bench)
     _cmd_bench_speculation(bench)
     _cmd_bench_spec_replay(bench)
+    _cmd_bench_lora(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.engine.lora import validate_lora_settings
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary port
 # A step's fixed cost, in tokens of compute: a small step still reads all the weights, so it
@@ -65,6 +67,15 @@ class EngineConfig:
     tp_master_addr: str | None = None  # this host's address the others reach; else $MASTER_ADDR
     tp_master_port: int | None = None  # rank 0's store port (+1: step channels); else $MASTER_PORT
     tp_collective_timeout_s: float = 60.0  # multi-host: a collective stuck this long fails
+    # LoRA adapters (backend/engine/lora.py): served with the base model, requested by
+    # SamplingParams.lora_name; max_loras distinct adapters per step, ranks up to max_lora_rank,
+    # lora_modules (name -> PEFT adapter directory) all loaded at start, at most max_cpu_loras
+    # of them (None: no cap)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | None = None
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -88,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
+        validate_lora_settings(self.enable_lora, self.max_loras, self.max_lora_rank,
+                               self.max_cpu_loras, self.lora_modules)
         device = self.resolved_device()
         self._validate_multi_host(device)
 

@@ -72,7 +72,8 @@ class KVCacheManager:
         keys, bs = seq.block_keys, self.block_size
         while len(keys) < num_full:
             i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            keys.append(block_key(keys[-1] if keys else seq.cache_salt,
+                                  seq.token_ids[i * bs:(i + 1) * bs]))
         return keys
 
     def match_prefix(self, seq: Sequence) -> list[int]:

@@ -17,6 +17,7 @@ from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from backend.engine.guided import GuidedMasker
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.logprobs import decode_tokens
+from backend.engine.lora import LoraRegistry
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
@@ -81,11 +82,13 @@ class LLMEngine:
         self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)
         self.cold_path = ColdPathCounter()
         self.group = None
+        self.loras = LoraRegistry.from_config(config)
         ctx = ParallelContext()
         try:
             if tp > 1:
                 ctx = self._launch_group(cfg, num_blocks, threads)
             model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
+            self.loras.attach(model, config.lora_modules, cfg, config.max_lora_rank)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
                                       dtype, self.device, self.packed_rows)
             if config.greedy_screening:  # every TP rank alike (WorkerSpec.greedy_screening)
@@ -99,7 +102,8 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.plan, config.resolved_step_overhead_tokens(self.device))
+                                   self.plan, config.resolved_step_overhead_tokens(self.device),
+                                   config.max_loras if config.enable_lora else 0)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         # Structured output: grammars compile on their own thread from the tokenizer's vocabulary.
@@ -207,6 +211,8 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int],
                         params: SamplingParams | None = None) -> PreparedRequest:
         """Validate and tokenize; raises ValueError naming the field. Safe off the engine thread."""
+        if params is not None:
+            self.loras.check(params)
         return prepare_request(request_id, prompt, params, self.tokenizer,
                                self.model_config.vocab_size, self.max_model_len, self.kv,
                                self.guided)
@@ -225,6 +231,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
                 p.skip_special_tokens) if self.tokenizer is not None else None)
+        self.loras.bind(seq)
         self._arrivals += 1
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

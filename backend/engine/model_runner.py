@@ -14,6 +14,7 @@ from backend.engine.device_inputs import DeviceInputs
 from backend.engine.step_inputs import StepInputs
 from backend.model import host_memory
 from backend.model.llama import LlamaForCausalLM
+from backend.model.lora_layers import row_groups
 from backend.model.rotary import RotaryTables
 from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
@@ -106,8 +107,9 @@ class ModelRunner:
             return self.decode_graphs.run(inputs)
         ids, idx, *rest = self.inputs.to_device(inputs.input_ids, inputs.logits_indices,
                                                 *_meta_arrays(inputs))
+        lora = None if inputs.lora_ids is None else row_groups(inputs.lora_ids, self.device)
         return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx,
-                          inputs.argmax_only)
+                          inputs.argmax_only, lora)
 
     def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
         """Attention inputs of a step from its _meta_arrays, already on the device."""

@@ -50,6 +50,9 @@ class SamplingParams:
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict | str | None = None
+    # the LoRA adapter to run with (one the engine was started with: EngineConfig.lora_modules);
+    # None: the base model
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +108,9 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str)
+                                           or not self.lora_name.strip()):
+            raise ValueError(f"lora_name: must be a non-empty string, got {self.lora_name!r}")
         guided_spec(self)
 
 

@@ -47,12 +47,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 plan: BucketPlan | None = None, step_overhead_tokens: int = 0):
+                 plan: BucketPlan | None = None, step_overhead_tokens: int = 0,
+                 max_loras: int = 0):
         self.kv = kv
         self.plan = plan
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_overhead_tokens = step_overhead_tokens  # 0: no grouping
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (0: no cap)
         # Admission keeps a little headroom so running decodes rarely need to preempt.
         self.watermark = max(1, kv.num_blocks // 100) if kv.num_blocks > 8 else 0
         self.waiting: list[Sequence] = []  # sorted by arrival
@@ -111,11 +113,15 @@ class Scheduler:
                 prompt_tokens += n if n > 1 else 0
         if not preempted:
             group_tokens = None
+            loras = {s.lora_id for s in self.running if s.lora_id}
             for seq in list(self.waiting):  # each holds no blocks, has computed nothing
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if group_tokens is not None and prompt_tokens >= group_tokens:
                     break
+                if (self.max_loras and seq.lora_id and seq.lora_id not in loras
+                        and len(loras) >= self.max_loras):
+                    break  # FCFS: it waits for a running adapter's requests to finish
                 prefix = self.kv.match_prefix(seq)  # never covers the prompt's last token
                 cached = len(prefix) * self.kv.block_size
                 n = min(seq.num_schedulable - cached, budget)
@@ -134,6 +140,8 @@ class Scheduler:
                     queries += seq.num_tokens
                     hits += cached
                 seq.status = Status.RUNNING
+                if seq.lora_id:
+                    loras.add(seq.lora_id)
                 bisect.insort(self.running, seq, key=lambda s: s.arrival)
                 scheduled[seq] = n
                 budget -= n

@@ -46,6 +46,13 @@ class Sequence:
     # rows, appended only once verified) and the sequence's drafting state (SpecState)
     draft_token_ids: list[int] = field(default_factory=list)
     spec: object | None = None
+    lora_id: int = 0  # the LoRA adapter its rows run with (backend/engine/lora.py); 0: none
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What its first prefix-cache key is chained from: the same tokens under another
+        adapter hold other K/V, so they never share blocks."""
+        return b"lora:%d" % self.lora_id if self.lora_id else b""
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class StepInputs:
     prefills: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # start, len, ctx, blocks
     num_padding: int = 0  # trailing rows that attend to nothing (steps with prompt chunks)
     argmax_only: bool = False  # every sampling row takes its argmax only (Sampler.argmax_only)
+    lora_ids: np.ndarray | None = None  # [T] each row's LoRA adapter (0: none); None: no row has one
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +37,8 @@ class StepInputs:
     @property
     def shape_key(self) -> tuple[str, int]:
         """What warmup must have run for this step: the kind of step and its token count."""
-        return ("mixed" if self.prefills else "decode", self.num_tokens)
+        kind = "mixed" if self.prefills else "decode"
+        return (kind if self.lora_ids is None else f"{kind}+lora", self.num_tokens)
 
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
@@ -44,6 +46,10 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
     # a decode with drafts runs as 1 + drafts decode rows of the same sequence (speculation.py)
     decodes = [(s, n) for s, n in scheduled if n == 1 or s.draft_token_ids]
     prefills = [(s, n) for s, n in scheduled if n > 1 and not s.draft_token_ids]
+    lora = any(s.lora_id for s, _ in scheduled)
+    if lora:  # each adapter's rows together: its group is a slice (lora_layers.row_groups)
+        decodes.sort(key=lambda sn: sn[0].lora_id)
+        prefills.sort(key=lambda sn: sn[0].lora_id)
     rows = sum(n for _, n in decodes)
     scratch = SCRATCH_BLOCK * block_size
     pad_decodes = plan.decode_bucket(rows) - rows if plan and not prefills else 0
@@ -75,6 +81,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                         np.asarray(slots, dtype=np.int64),
                         np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
                         num_padding=num_padding)
+    if lora:  # padding rows (at the end) run with none
+        lora_ids = np.zeros(len(ids), dtype=np.int64)
+        lora_ids[:sum(n for _, n in scheduled)] = np.concatenate(
+            [np.full(n, s.lora_id, dtype=np.int64) for s, n in decodes + prefills])
+        inputs.lora_ids = lora_ids
     if decodes or pad_decodes:
         width = max([len(s.block_table) for s, _ in decodes] + [1])
         tables = np.full((rows + pad_decodes, width), SCRATCH_BLOCK, dtype=np.int64)

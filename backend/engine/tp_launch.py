@@ -35,5 +35,6 @@ def launch_group(c: EngineConfig, cfg: ModelConfig, model_dir: Path, num_blocks:
         cuda_graphs=cuda_graphs, decode_sizes=decode_sizes, packed_rows=packed_rows,
         greedy_screening=c.greedy_screening,
         master_addr=addr, master_port=port, gloo_host=addr,
-        collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0),
+        collective_timeout_s=c.tp_collective_timeout_s if addr else 0.0,
+        lora_modules=c.lora_modules, max_lora_rank=c.max_lora_rank),
         c.torch_dtype, local_ranks=c.tp_local_ranks)

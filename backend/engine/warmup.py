@@ -61,6 +61,7 @@ def warm_up(engine) -> float:
     steps += [mixed_step(t, kv.num_blocks, kv.block_size, engine.max_model_len,
                          engine.config.max_num_seqs)
               for t in plan.token_sizes]
+    steps += engine.loras.warmup_steps(steps)  # with LoRA adapters: each step with their rows
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)
         rows = [Sequence(f"warmup-{j}", [1, 2, 3], 2, _PARAMS[j % 2], j)

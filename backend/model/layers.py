@@ -52,6 +52,8 @@ class ColumnParallelLinear(DirectModule):
     """Output features split across ranks. `rows` names each merged checkpoint tensor (q/k/v,
     gate/up) and the [start, end) of its output rows this rank owns; they are stacked in order."""
 
+    lora = None  # LoRA adapters' deltas (lora_layers.LoraSlot), where an adapter targets it
+
     def __init__(self, in_features: int, rows: dict[str | None, tuple[int, int]], bias: bool,
                  dtype: torch.dtype, ops: ModuleType = reference):
         super().__init__()
@@ -65,11 +67,14 @@ class ColumnParallelLinear(DirectModule):
         self.bias = _param((off,), dtype, offsets) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        y = self.ops.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class RowParallelLinear(DirectModule):
     """Input features split across ranks; partial sums are all-reduced (the layer's collective)."""
+
+    lora = None  # as ColumnParallelLinear's; its deltas join the partial sum before the reduce
 
     def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool,
                  dtype: torch.dtype, ctx: ParallelContext, ops: ModuleType = reference):
@@ -80,7 +85,8 @@ class RowParallelLinear(DirectModule):
         self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(_linear_for(self.ops, x, self.weight, self.ctx.reduce_slot))
+        partial = _linear_for(self.ops, x, self.weight, self.ctx.reduce_slot)
+        return self.reduce(partial if self.lora is None else self.lora.add(x, partial))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output: all-reduce, then the bias."""

@@ -114,23 +114,31 @@ class LlamaForCausalLM(DirectModule):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied,
                                       ops=ops)
+        # LoRA adapters (lora_layers.attach_adapters): the step's row groups, read by the slots
+        self.lora_rows = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None, argmax_only: bool = False
-                ) -> torch.Tensor | None:
+                logits_indices: torch.Tensor | None, argmax_only: bool = False,
+                lora: list | None = None) -> torch.Tensor | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
         (the last token of each sequence that samples this step), or [0, V] when none.
         Under tensor parallelism only rank 0 gets logits; the others get None.
         argmax_only: every such row only takes its argmax; with greedy screening on
         (lm_head.enable_greedy_screening) a row's logits are then its exact maximum at its
-        argmax and -inf elsewhere (backend/model/greedy_head.py)."""
+        argmax and -inf elsewhere (backend/model/greedy_head.py).
+        lora: the step's LoRA row groups (lora_layers.row_groups); such a step runs the modular
+        path (the fused kernels have no place for the deltas), a step without them as before."""
+        if self.lora_rows is not None:
+            self.lora_rows.groups = lora or ()
+        elif lora:
+            raise ValueError("this model has no LoRA adapters attached")
         x = self.embed_tokens(input_ids)
         if (begin := getattr(self.ops, "begin_forward", None)) is not None:
             begin(x.shape[0], x.dtype)  # where this pass's kernel loops run (CPU)
         residual = None
-        if not self._fused_step(x, meta):
+        if lora or not self._fused_step(x, meta):
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, meta, kv)
         elif self.fused_stack:

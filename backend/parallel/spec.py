@@ -42,6 +42,9 @@ class WorkerSpec:
     master_port: int = 0
     gloo_host: str = ""  # the address this rank's gloo sockets bind to ("": torch's default)
     collective_timeout_s: float = 0.0  # > 0: a collective waiting longer fails
+    # LoRA adapters (name -> directory, rank 0's order: the adapter ids) each rank shards itself
+    lora_modules: dict[str, str] | None = None
+    max_lora_rank: int = 16
 
 
 def python_executable() -> str:

@@ -17,6 +17,8 @@ from backend.engine.config import DTYPES
 from backend.engine.model_runner import ModelRunner
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
+from backend.model.lora_adapter import load_adapters
+from backend.model.lora_layers import attach_adapters
 from backend.parallel.comm_select import connect, rank_device, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.spec import REJOIN, REJOIN_EXIT, STARTED, STARTUP_TIMEOUT_S, WorkerSpec
@@ -43,6 +45,8 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
     model_dir = Path(spec.model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, ctx, dtype, device)
+    model.lora_rows = attach_adapters(model, load_adapters(spec.lora_modules or {}, cfg,
+                                                           spec.max_lora_rank))
     runner = ModelRunner(model, spec.num_blocks, spec.block_size, spec.max_model_len, dtype,
                          device, spec.packed_rows)
     if spec.greedy_screening:  # as rank 0's (a rank whose kernels cannot has none: see below)

@@ -80,7 +80,10 @@ class TritonLLMModel:
 
         from backend.engine.config import EngineConfig
         from backend.engine.llm_engine import LLMEngine
-        try:
+        from backend.triton.lora_config import lora_modules
+        try:  # LoRA adapters: multi_lora.json in the version folder (errors name it)
+            engine_kwargs.update(lora_modules(engine_kwargs, args["model_repository"],
+                                              args.get("model_version", "")))
             cfg = EngineConfig(**engine_kwargs)
             self.llm = LLMEngine(cfg, defer_warmup=True)  # warmed on the engine thread
         except Exception as e:
@@ -118,6 +121,9 @@ class TritonLLMModel:
             self.metrics = Metrics(pb, labels, vllm=vllm)
         else:
             self.metrics = NullMetrics()
+        from backend.triton.lora_metrics import LoraRequests
+        self.lora_requests = LoraRequests(pb, labels) if (
+            opts.enable_metrics and self.llm.loras.ids) else None
         self.responder = Responder(pb, self.engine, self.metrics,
                                    snapshot=lambda: engine_snapshot(self.llm))
 
@@ -160,6 +166,7 @@ class TritonLLMModel:
                 requested = None
             state = StreamState(rid, req, sender, arrival=arrival, requested=requested or None)
             self.responder.register(state)
+            submitted = True
             try:
                 self.engine.add_request(rid, prompt, req.params, sink=self.responder)
             except RuntimeError as e:
@@ -168,6 +175,7 @@ class TritonLLMModel:
                 self.responder.unregister(rid)
                 self.responder.send_error(sender, str(e),
                                           getattr(pb.TritonError, "UNAVAILABLE", None))
+                submitted = False
         except ValueError as e:
             self.responder.unregister(rid)
             self._reject(sender, str(e))
@@ -179,6 +187,9 @@ class TritonLLMModel:
                 sender, f"internal error: the request could not be processed (request id "
                         f"{rid}; the server log has the details)",
                 getattr(pb.TritonError, "INTERNAL", None))
+        else:  # submitted: counted once, never a second answer
+            if self.lora_requests is not None and submitted:
+                self.lora_requests.count(req.params.lora_name)
 
     def _reject(self, sender, message: str) -> None:
         if len(message) > MAX_ERROR_CHARS:  # some messages quote the client's value

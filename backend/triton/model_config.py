@@ -40,6 +40,11 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "tp_master_addr": (str, "tp_master_addr"),
     "tp_master_port": (int, "tp_master_port"),
     "tp_collective_timeout_s": (float, "tp_collective_timeout_s"),
+    # LoRA (vLLM backend's names); the adapters: multi_lora.json in the version folder
+    "enable_lora": (bool, "enable_lora"),
+    "max_loras": (int, "max_loras"),
+    "max_lora_rank": (int, "max_lora_rank"),
+    "max_cpu_loras": (int, "max_cpu_loras"),
 }
 ADAPTER_PARAMETERS = {"gpu_device_ids": str, "enable_metrics": bool, "vllm_metrics": bool,
                       "log_level": str}

@@ -67,6 +67,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "logprobs": ("count", "top_logprobs"),
     "top_logprobs": ("int", "top_logprobs"),
     "return_num_cached_tokens": ("bool", ".return_num_cached_tokens"),
+    "lora_name": ("str", "lora_name"),  # a LoRA adapter of multi_lora.json (vLLM backend's name)
 }
 # Input tensors of config.pbtxt besides text_input / sampling_parameters (all optional).
 TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k", "top_p",
