@@ -31,7 +31,7 @@ from backend.engine import step_cost
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
-from backend.engine.tp_launch import launch_group
+from backend.engine.tp.launch import launch_group
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext

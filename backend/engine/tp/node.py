@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 
-from backend.parallel.channel import (AUTHKEY_ENV, AUTHKEY_FILE_ENV, join, resolve_authkey,
+from backend.engine.tp.channel import (AUTHKEY_ENV, AUTHKEY_FILE_ENV, join, resolve_authkey,
                                       route_address)
 from backend.parallel.spec import STARTUP_TIMEOUT_S, python_executable
 
@@ -64,7 +64,7 @@ def remote_rank_main(opts: NodeOptions, rank: int, join_timeout: float) -> None:
     """One remote rank (a child of the launcher): join rank 0, then the ordinary worker loop."""
     _die_with_parent(opts.launcher_pid)
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(message)s")
-    from backend.parallel.worker import worker_main  # here: the launcher itself needs no torch
+    from backend.engine.tp.worker import worker_main  # here: the launcher itself needs no torch
     try:
         conn, spec = join(opts.master_addr, opts.master_port + 1, opts.authkey, rank,
                           join_timeout)
