@@ -2,7 +2,7 @@
 // (vec.h: AVX-512, or AVX2 + FMA as two registers per vector), for float32 or bfloat16 caches
 // (bf16 rows widened as they are loaded), and the softmax row the prefill attention shares.
 //
-// Why: the portable block step (cpu_kernels.cpp, block_group_fast) sums each token's score with
+// Why: the portable block step (decode_attention.cpp, block_group_fast) sums each token's score with
 // its own 16-lane horizontal reduction and runs the softmax in scalar code; one thread spent
 // ~160 us per SmolLM2 layer at 1088 tokens, twice the time its 1.67 MB of KV take to stream.
 // Here 16 tokens' partial dot products are transposed and summed together (a few shuffles and
@@ -104,7 +104,7 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 // score first (each K row read once, one transpose-and-add per 16 tokens), then one softmax per
 // query head over all of them, then the weighted sum of V (each V row read once, the
 // probabilities broadcast from memory). Leaves the partial state attend_blocks
-// (cpu_kernels.cpp) does: acc [Hq, 64] unnormalised, max mx [Hq], denominator den [Hq].
+// (decode_attention.cpp) does: acc [Hq, 64] unnormalised, max mx [Hq], denominator den [Hq].
 // T: float, or uint16_t for bfloat16 bits.
 //
 // Why two passes: a per-block online softmax runs a max, an exp and two reductions per 16
