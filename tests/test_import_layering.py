@@ -5,7 +5,7 @@
   -> backend/parallel (communicators) -> tpllm_kernels. A module may import its own package and
   any package below it, never one above. backend.process_exit is a leaf every backend layer may
   use (it imports nothing of the project).
-- Inside a package (backend/<pkg>, tpllm_kernels/), module-to-module imports form a DAG, so every
+- Inside a package (backend/<pkg>, tpllm_kernels/, client/), module-to-module imports form a DAG, so every
   dependency inside a package points one way too.
 
 Every import statement counts, wherever it is: module level, inside a function (a "lazy" import
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p for p in (ROOT / "backend").iterdir() if (p / "__init__.py").exists())
-PACKAGES.append(ROOT / "tpllm_kernels")
+PACKAGES += [ROOT / "tpllm_kernels", ROOT / "client"]
 
 # top to bottom; a module belongs to the longest of these that prefixes its name
 LAYERS = ["client", "backend", "backend.triton", "backend.engine", "backend.model",

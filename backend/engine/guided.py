@@ -10,8 +10,8 @@
   temperature and the top-k/top-p/min-p filters. Unconstrained rows are not touched.
 
 Masking on CPU uses numpy, which never opens a parallel region. Measured at batch 1 (SmolLM2,
-49152 tokens, the 10-field schema of client/bench_structured.py; AMD EPYC Zen 4, 2 cores shared
-with other work): torch ops (a [n, words, 32] shift-and-compare, then masked_fill_) took 0.15 ms
+49152 tokens, the 10-field schema of client/bench/bench_structured.py; AMD EPYC Zen 4, 2 cores
+shared with other work): torch ops (a [n, words, 32] shift-and-compare, then masked_fill_) took 0.15 ms
 alone and 0.35-0.44 ms inside a step (13-22 ms while higher-priority work held the other core),
 and each of their 49152-element ops opens an OpenMP region, after which libgomp's worker (wait
 policy unset, the benchmarks' default) spins ~8 ms: into the next forward pass, on the core the
