@@ -22,16 +22,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from tpllm_kernels.cache_dir import cache_root
+
 STUB = "triton_python_backend_stub"
-
-
-def cache_dir() -> Path:
-    """The project's cache convention (as backend.model.gguf_import.cache_root, which this
-    launcher does not import: it pulls in numpy and gguf)."""
-    if os.environ.get("TPLLM_CACHE_DIR"):
-        return Path(os.environ["TPLLM_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tp-llm"
 
 
 def _pytriton_dist() -> Path | None:
@@ -82,7 +75,7 @@ def prepare_backend_dir(server: Path, dist: Path | None) -> Path | None:
         have = sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
         sys.exit(f"nvidia-pytriton ships no Python-backend stub for Python {version} "
                  f"(it has {', '.join(have)}): use one of those Pythons for the venv")
-    out = cache_dir() / "triton-backends" / f"py{version}"
+    out = cache_root() / "triton-backends" / f"py{version}"
     (out / "python").mkdir(parents=True, exist_ok=True)
     for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
         _copy_if_changed(src / f, out / "python" / f)

@@ -22,10 +22,10 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 def cap_isa_arg(p: argparse.ArgumentParser) -> None:
-    from client.isa_caps import CAPS
+    from client.bench.isa_caps import CAPS
     p.add_argument("--cap-isa", default=None, choices=sorted(CAPS),
                    help="cap ATen, oneDNN, MKL and our kernels at this ISA (an AVX2 host's code "
-                        "paths on this CPU; its memory system stays; client/isa_caps.py)")
+                        "paths on this CPU; its memory system stays; client/bench/isa_caps.py)")
 
 
 def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
@@ -38,7 +38,7 @@ def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench_results/offline-<ts>.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.set_defaults(runner="client.bench_offline")
+    p.set_defaults(runner="client.bench.bench_offline")
 
 
 def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--server", action="store_true",
                    help="also run every layout through a fresh tritonserver (gRPC streaming)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(runner="client.bench_tp")
+    p.set_defaults(runner="client.bench.bench_tp")
 
 
 def _cmd_bench_coldstart(bench: argparse._SubParsersAction) -> None:
@@ -74,7 +74,7 @@ def _cmd_bench_coldstart(bench: argparse._SubParsersAction) -> None:
                    default=[1, 8, 32], help="warm-up batch sizes (default 1,8,32)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/coldstart-<ts>.json)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(runner="client.bench_coldstart")
+    p.set_defaults(runner="client.bench.bench_coldstart")
 
 
 def _cmd_bench_clients(bench: argparse._SubParsersAction) -> None:
@@ -89,7 +89,7 @@ def _cmd_bench_clients(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, help="the served model's directory "
                                                      "(default: the embedded SmolLM2)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/clients-<ts>.json)")
-    p.set_defaults(runner="client.bench_clients")
+    p.set_defaults(runner="client.bench.bench_clients")
 
 
 def _cmd_bench_prefix(bench: argparse._SubParsersAction) -> None:
@@ -117,7 +117,7 @@ def _cmd_bench_prefix(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="toy sizes, for smoke tests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench_results/prefix-<ts>.json)")
-    p.set_defaults(runner="client.bench_prefix")
+    p.set_defaults(runner="client.bench.bench_prefix")
 
 
 def _cmd_bench_structured(bench: argparse._SubParsersAction) -> None:
@@ -128,7 +128,7 @@ def _cmd_bench_structured(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench_results/structured-<ts>.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.set_defaults(runner="client.bench_structured")
+    p.set_defaults(runner="client.bench.bench_structured")
 
 
 def speculation_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -152,7 +152,7 @@ def _cmd_bench_speculation(bench: argparse._SubParsersAction) -> None:
     _runtime_args(p)
     speculation_args(p)
     p.add_argument("--out", default=None, help="JSON path (default bench_results/speculation-<ts>.json)")
-    p.set_defaults(runner="client.bench_speculation")
+    p.set_defaults(runner="client.bench.bench_speculation")
 
 
 def _cmd_bench_spec_replay(bench: argparse._SubParsersAction) -> None:
@@ -169,7 +169,7 @@ def _cmd_bench_spec_replay(bench: argparse._SubParsersAction) -> None:
                    help="comma list: a step of 1, 2, ... rows in one-row steps "
                         "(default: the engine's, measured at its warmup)")
     p.add_argument("--out", default=None, help="JSON path: outputs and results (default: none)")
-    p.set_defaults(runner="client.spec_replay")
+    p.set_defaults(runner="client.bench.spec_replay")
 
 
 def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
@@ -180,7 +180,7 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     cap_isa_arg(p)
-    from client.bench_decode import DEFAULT_MODES
+    from client.bench.bench_decode import DEFAULT_MODES
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma list: team, team-spin<us>, omp-passive, omp-active, omp-unset, "
                         f"omp-spin<count>[k] (default {DEFAULT_MODES})")
@@ -205,7 +205,7 @@ def _cmd_bench_decode(bench: argparse._SubParsersAction) -> None:
                    help="part 1 also through tritonserver with the default config "
                         "(perf_analyzer, concurrency 1, --rounds x --loads cells)")
     speculation_args(p, prefix="spec-")
-    p.set_defaults(runner="client.bench_decode")
+    p.set_defaults(runner="client.bench.bench_decode")
 
 
 def _cmd_bench_lora(bench: argparse._SubParsersAction) -> None:
@@ -219,7 +219,7 @@ def _cmd_bench_lora(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/lora-<ts>.json)")
-    p.set_defaults(runner="client.bench_lora")
+    p.set_defaults(runner="client.bench.bench_lora")
 
 
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return perf_analyzer.main(argparse.Namespace(tool=raw[0], tool_args=raw[1:]))
     args = build_parser().parse_args(argv)
     if getattr(args, "cap_isa", None):  # before torch loads (a re-exec below inherits it)
-        from client import isa_caps
+        from client.bench import isa_caps
         isa_caps.apply(args.cap_isa)
     if argv is None and hasattr(args, "wait_policy"):  # re-exec only reproduces the real argv
         _ensure_wait_policy(args.wait_policy)

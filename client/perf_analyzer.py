@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from backend.serve import cache_dir
+from tpllm_kernels.cache_dir import cache_root
 
 # plain soname -> the glob of the hashed copy in nvidia_pytriton.libs/
 NEEDED_LIBS = {"libb64.so.0d": "libb64-*.so.0d", "libcudart.so.12": "libcudart-*.so.12*"}
@@ -64,7 +64,7 @@ def library_dir() -> Path | None:
         return None
     # One directory per venv (keyed by its libs path): venvs never relink each other's links.
     key = hashlib.sha1(str(src.resolve()).encode()).hexdigest()[:12]
-    dest = cache_dir() / "perf-analyzer-libs" / key
+    dest = cache_root() / "perf-analyzer-libs" / key
     dest.mkdir(parents=True, exist_ok=True)
     for name, pattern in NEEDED_LIBS.items():
         matches = sorted(glob.glob(str(src / pattern)))

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from client.benchutil import default_out, write_json
+from client.bench.benchutil import default_out, write_json
 from client.generate import grpc_inputs
 
 WORDS = ("river mountain city light story number garden window music ocean forest winter "

@@ -129,7 +129,7 @@ def test_cap_isa_needs_torch_unloaded(monkeypatch) -> None:
     """ATen and the GEMM libraries read their caps once, when torch loads: a cap applied after
     that would be printed in the report without being in effect, so it is refused."""
     import torch  # noqa: F401  (loaded in this process, as in any test)
-    from client import isa_caps
+    from client.bench import isa_caps
     monkeypatch.delenv("TPLLM_CPU_ISA", raising=False)
     with pytest.raises(RuntimeError, match="before torch"):
         isa_caps.apply("avx2")
@@ -140,7 +140,7 @@ def test_cap_isa_needs_torch_unloaded(monkeypatch) -> None:
 def test_paired_ratios_pair_each_round() -> None:
     """Ratios are taken round by round (each layout's median over that round's requests), over
     shared-memory layouts only, and only for pairs whose layouts both ran."""
-    from client.bench_layouts import Layout, paired_ratios
+    from client.bench.bench_layouts import Layout, paired_ratios
 
     def result(tp, threads, e2e_by_round, transport="shm"):
         runs = [{"round": r, "e2e_s": v} for r, vals in e2e_by_round.items() for v in vals]

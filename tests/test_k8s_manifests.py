@@ -20,7 +20,7 @@ import yaml
 
 from backend import serve
 from backend.parallel import node
-from backend.parallel.channel import AUTHKEY_ENV
+from backend.engine.tp.channel import AUTHKEY_ENV
 from backend.triton.model_config import parse_parameters, parameter_values
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from backend.engine.outputs import RequestOutput
 from backend.engine.request_check import PreparedRequest
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.stats import EngineStats
-from backend.parallel.channel import peer_host
+from backend.engine.tp.channel import peer_host
 from backend.parallel.shm_comm import PeerLostError
 from backend.triton.metrics import Metrics, engine_snapshot
 from tests.test_triton_responder import FakePB

@@ -24,8 +24,8 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.config import EngineConfig
-from backend.parallel.channel import RankListener, join, resolve_authkey
-from backend.parallel.node import parse_ranks
+from backend.engine.tp.channel import RankListener, join, resolve_authkey
+from backend.engine.tp.node import parse_ranks
 from tests.tiny_models import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

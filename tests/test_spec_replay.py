@@ -1,4 +1,4 @@
-"""client/spec_replay.py: replaying the draft policy over recorded greedy outputs takes the
+"""client/bench/spec_replay.py: replaying the draft policy over recorded greedy outputs takes the
 engine's own steps (the same drafts, the same accepted tokens), so its modeled speedups speak
 for the engine."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.engine.speculation import NgramSpeculator, StepCost
-from client.spec_replay import _longest_copy, any_copy, perfect_lengths, replay, replay_one
+from client.bench.spec_replay import _longest_copy, any_copy, perfect_lengths, replay, replay_one
 from tests.test_speculation import OracleDrafts, _ids
 
 

@@ -445,7 +445,7 @@ def test_bench_speculation_server_work_reads_exported_counters(monkeypatch):
     from its counters, by names the backend exports (a renamed metric fails here, not after a
     15-minute run), and the report prints them beside each round's ratio."""
     from backend.triton.metrics import COUNTERS
-    from client import bench_speculation as bs
+    from client.bench import bench_speculation as bs
     monkeypatch.setattr(bs.time, "sleep", lambda s: None)
     values = {"llm_engine_steps_total": 217.0, "llm_spec_draft_tokens_total": 15.0,
               "llm_model_seconds_total": 51.25}

@@ -321,7 +321,7 @@ def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
     engine never got the half-built group to close, and all three leaked)."""
     import tempfile
 
-    from backend.parallel import group
+    from backend.engine.tp import group
 
     def broken_connect(*args, **kwargs):
         raise RuntimeError("no communicator today")
@@ -366,7 +366,7 @@ def test_worker_waits_for_the_next_step_polling_or_blocking(spin_s):
     (sent after its polling ran out too) and sees a closed channel as EOF."""
     import threading
 
-    from backend.parallel.worker import _next_message
+    from backend.engine.tp.worker import _next_message
     a, b = mp.Pipe()
     threading.Timer(0.1, lambda: b.send_bytes(b"step")).start()
     assert _next_message(a, spin_s) == b"step"

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from tpllm_kernels.cache_dir import cache_root
+
 log = logging.getLogger("tpllm_kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))  # one module; headers (*.h) are included by them
@@ -151,11 +153,7 @@ def _cache_dir(v: Variant) -> Path:
     flags = " ".join(_CFLAGS + list(v.cflags) + _LDFLAGS)
     key = hashlib.sha256(sources + torch.__version__.encode() + sys.version.encode()
                          + flags.encode()).hexdigest()[:16]
-    # The project's cache convention (see backend.model.gguf_import.cache_root); tpllm_kernels/ sits
-    # below backend/ and may not import it.
-    root = os.environ.get("TPLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "tp-llm")
-    return Path(root).expanduser() / "cpu_kernels" / f"{v.name}-{key}"
+    return cache_root() / "cpu_kernels" / f"{v.name}-{key}"
 
 
 def _cores() -> int:

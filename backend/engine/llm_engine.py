@@ -1,5 +1,9 @@
 """The synchronous engine core: add requests, step, collect per-step outputs. Not thread-safe;
-AsyncEngine drives it from one thread."""
+AsyncEngine drives it from one thread.
+
+Over ~400 lines on purpose: LLMEngine is one object whose construction steps and step loop
+share its state; the work itself lives in the modules it calls (scheduler, sampler,
+speculation, model_runner, tp/)."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +36,7 @@ from backend.engine import step_cost
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
-from backend.engine.tp_launch import launch_group
+from backend.engine.tp.launch import launch_group
 from backend.model.config import ModelConfig
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
@@ -55,42 +59,74 @@ class LLMEngine:
         config.validate()
         t0 = self._t_start = time.perf_counter()
         self.config = config
-        tp = config.tensor_parallel_size
+        threads = self._set_threads()
+        self._read_model()
+        num_blocks = self._size_kv_cache()
+        self._choose_device()
+        self._start_ranks(num_blocks, threads)
+        self._build_policies(num_blocks)
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self.stats = EngineStats()
+        self.warm_shapes: set[tuple[str, int]] = set()
+        self._log_loaded(time.perf_counter() - t0, num_blocks)
+        if not defer_warmup:
+            self.warm_up()
+
+    def _set_threads(self) -> int | None:
+        """This process's torch threads (None: torch's default)."""
+        config, tp = self.config, self.config.tensor_parallel_size
         # Under TP the ranks share the cores: by default each gets its share, not all of them
         # (multi-host: the ranks on this host share them).
         here = config.tp_local_ranks or tp
         threads = config.num_threads or (max(1, (os.cpu_count() or 1) // here) if tp > 1 else None)
         if threads:
             torch.set_num_threads(threads)
-        self.model_dir = resolve_model_dir(config.model)
+        return threads
+
+    def _read_model(self) -> None:
+        """The checkpoint's directory, config, tokenizer and the longest sequence served."""
+        self.model_dir = resolve_model_dir(self.config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         limit = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        dtype = config.torch_dtype
-        bytes_per_block = cfg.kv_bytes_per_token(dtype.itemsize, tp) * config.block_size
-        num_blocks = config.num_kv_blocks or max(
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+
+    def _size_kv_cache(self) -> int:
+        """KV blocks per rank: as configured, else what kv_cache_memory_gb holds."""
+        config = self.config
+        bytes_per_block = self.model_config.kv_bytes_per_token(
+            config.torch_dtype.itemsize, config.tensor_parallel_size) * config.block_size
+        return config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
-        self.device = config.resolved_device()  # rank 0's; rank r uses the r-th next GPU
+
+    def _choose_device(self) -> None:
+        dtype = self.config.torch_dtype
+        self.device = self.config.resolved_device()  # rank 0's; rank r uses the r-th next GPU
         if self.device_is_cpu_without_bf16(self.device, dtype):
             log.warning("dtype bfloat16 on a CPU without AVX512-BF16 (kernels: %s): its GEMMs "
-                        "widen to float32 as they go; measured on an AVX2-only AMD EPYC, a "
-                        "1024-token prefill took 5-6x float32's time and decode was no faster. "
-                        "float32 is the better choice here", cpu_ext.isa_level())
+                        "widen to float32 as they go, so prefill takes several times float32's "
+                        "time and decode is no faster (docs/decisions.md). float32 is the better "
+                        "choice here", cpu_ext.isa_level())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton and NCCL launch on the current device
+
+    def _start_ranks(self, num_blocks: int, threads: int | None) -> None:
+        """Rank 0's model and runner here, the other TP ranks started and ready; on failure
+        whatever started is closed again."""
+        config, cfg = self.config, self.model_config
         self.plan = BucketPlan.build(config.max_num_seqs, config.max_num_batched_tokens)
         self.cold_path = ColdPathCounter()
         self.group = None
         self.loras = LoraRegistry.from_config(config)
         ctx = ParallelContext()
         try:
-            if tp > 1:
+            if config.tensor_parallel_size > 1:
                 ctx = self._launch_group(cfg, num_blocks, threads)
-            model = load_model(self.model_dir, cfg, ctx, dtype, self.device)
+            model = load_model(self.model_dir, cfg, ctx, config.torch_dtype, self.device)
             self.loras.attach(model, config.lora_modules, cfg, config.max_lora_rank)
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len,
-                                      dtype, self.device, self.packed_rows)
+                                      config.torch_dtype, self.device, self.packed_rows)
             if config.greedy_screening:  # every TP rank alike (WorkerSpec.greedy_screening)
                 model.lm_head.enable_greedy_screening()
             if self.uses_cuda_graphs:  # captured per bucket by warmup, before ready
@@ -100,6 +136,10 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
+
+    def _build_policies(self, num_blocks: int) -> None:
+        """The KV cache manager, scheduler, guided-decoding masker, sampler and speculator."""
+        config, cfg = self.config, self.model_config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.plan, config.resolved_step_overhead_tokens(self.device),
@@ -120,19 +160,16 @@ class LLMEngine:
             min(self.plan.decode_sizes[-1], CPU_VERIFY_ROWS if on_cpu else 1 << 30),
             CPU_STEP_COST if on_cpu else GPU_STEP_COST
         ) if config.speculative_ngram else None
-        self.requests: dict[str, Sequence] = {}
-        self._arrivals = 0
-        self.stats = EngineStats()
-        self.warm_shapes: set[tuple[str, int]] = set()
+
+    def _log_loaded(self, seconds: float, num_blocks: int) -> None:
+        config = self.config
         log.info("engine loaded in %.1fs: %s, %s on %s, TP %d, %d KV blocks x %d tokens (%.2f GiB "
                  "per rank), max_model_len %d, %d threads per rank, %.2f GiB of packed weights "
-                 "for %d-row batches", time.perf_counter() - t0,
-                 self.model_dir.name, config.dtype, self.device, tp, num_blocks,
-                 config.block_size, self.runner.kv_cache_bytes / 2**30, self.max_model_len,
-                 torch.get_num_threads(), self.runner.packed_weight_bytes / 2**30,
-                 self.packed_rows)
-        if not defer_warmup:
-            self.warm_up()
+                 "for %d-row batches", seconds,
+                 self.model_dir.name, config.dtype, self.device, config.tensor_parallel_size,
+                 num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**30,
+                 self.max_model_len, torch.get_num_threads(),
+                 self.runner.packed_weight_bytes / 2**30, self.packed_rows)
 
     def warm_up(self) -> None:
         """Run every bucket (if config.warmup), then mark the engine ready: from here on anything

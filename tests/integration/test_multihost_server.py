@@ -21,7 +21,7 @@ import pytest
 
 from client.generate import ServerError, generate, grpc_inputs
 from client.server import ROOT, START_TIMEOUT, Server, make_repo
-from backend.parallel.channel import route_address
+from backend.engine.tp.channel import route_address
 from tests.integration.conftest import BASE_PARAMS
 from tests.test_multihost import LOOPBACK_MASTER, _free_port_pair
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from backend.serve import cache_dir
 from client.generate import ServerError, generate
 from client.server import ROOT
 from tests.integration import proctree
 from tests.integration.conftest import BASE_PARAMS, NO_WARMUP, Server, make_repo
+from tpllm_kernels.cache_dir import cache_root
 
 pytestmark = pytest.mark.integration
 TRACED = ("open,openat,openat2,creat,mkdir,mkdirat,rename,renameat,renameat2,link,linkat,symlink,"
@@ -103,7 +103,7 @@ def tp2(tmp_path_factory):
     home, tmp = d / "home", d / "tmp"
     (home / ".cache").mkdir(parents=True)
     tmp.mkdir()
-    cache = cache_dir()  # the real one: the model and the compiled kernels are there already
+    cache = cache_root()  # the real one: the model and the compiled kernels are there already
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),
            "TPLLM_CACHE_DIR": str(cache), "TMPDIR": str(tmp)}
     repo = make_repo(d / "repo", {**BASE_PARAMS, **NO_WARMUP, "tensor_parallel_size": "2",

@@ -2,8 +2,8 @@
 // (vec.h: AVX-512, or AVX2 + FMA as two registers per vector), for float32 or bfloat16 caches
 // (bf16 rows widened as they are loaded), and the softmax row the prefill attention shares.
 //
-// Why: the portable block step (cpu_kernels.cpp, block_group_fast) sums each token's score with
-// its own 16-lane horizontal reduction and runs the softmax in scalar code: about twice the
+// Why: the portable block step (decode_attention.cpp, block_group_fast) sums each token's score
+// with its own 16-lane horizontal reduction and runs the softmax in scalar code: about twice the
 // time its KV bytes take to stream.
 // Here 16 tokens' partial dot products are transposed and summed together (a few shuffles and
 // adds instead of 16 reductions), and max, exp and sum run on whole vectors.
@@ -99,7 +99,7 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 // score first (each K row read once, one transpose-and-add per 16 tokens), then one softmax per
 // query head over all of them, then the weighted sum of V (each V row read once, the
 // probabilities broadcast from memory). Leaves the partial state attend_blocks
-// (cpu_kernels.cpp) does: acc [Hq, 64] unnormalised, max mx [Hq], denominator den [Hq].
+// (decode_attention.cpp) does: acc [Hq, 64] unnormalised, max mx [Hq], denominator den [Hq].
 // T: float, or uint16_t for bfloat16 bits.
 //
 // Why two passes: a per-block online softmax runs a max, an exp and two reductions per 16

@@ -7,29 +7,30 @@
 // Every y[m, n] is summed in the same order whatever M and the thread split are: a sequence's
 // logits do not depend on what else is in its batch (below the size where the caller switches
 // to the GEMM).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu_kernels.h"
 #include "small_m_gemm.h"
 
 // x [M, K], weight [N, K], bias [N] or undefined; all float32 and contiguous.
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias) {
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+at::Tensor small_m_linear(at::Tensor x, at::Tensor weight,
+                             c10::optional<at::Tensor> bias) {
+  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
   small_m_linear_into(x, weight, bias, y);
   return y;
 }
 
 // The same into y [M, N] (contiguous float32), e.g. a fused decode step's workspace.
-void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
-                         const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+void small_m_linear_into(const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_m_linear: x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
                   x.is_contiguous() && weight.is_contiguous(),
               "small_m_linear: contiguous float32 only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == M &&
               y.size(1) == N, "small_m_linear: y [M, N] contiguous float32");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();

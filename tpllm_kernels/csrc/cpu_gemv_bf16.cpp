@@ -8,7 +8,10 @@
 // Why: a bf16 batch-1 decode step spent most of its time in oneDNN's GEMV, which repacks each
 // weight per call; a decode step must only stream the weights (half the bytes of float32). As
 // cpu_gemv.cpp: a weight row at a time x up to 4 input rows, each weight row read once.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -74,9 +77,9 @@ bool bf16_gemv_supported() {
 }
 
 // x [M, K], weight [N, K], bias [N] or undefined: contiguous bfloat16; y in bfloat16.
-torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
-                                  c10::optional<torch::Tensor> bias) {
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+at::Tensor small_m_linear_bf16(at::Tensor x, at::Tensor weight,
+                                  c10::optional<at::Tensor> bias) {
+  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
   small_m_linear_bf16_into(x, weight, bias, y);
   return y;
 }
@@ -84,19 +87,19 @@ torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
 // The same into y [M, N] (contiguous bfloat16), e.g. a fused decode step's workspace. The float32
 // sums (and x widened, without AVX512-BF16) go through scratch kept per thread, so a decode step
 // allocates nothing; y = bf16(sum + bias) rounded once, as torch's y32.add_(bias).to(bf16).
-void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weight,
-                              const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+void small_m_linear_bf16_into(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(bf16_gemv_supported(), "small_m_linear_bf16: needs AVX2 or AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_m_linear_bf16: x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                   x.is_contiguous() && weight.is_contiguous(),
               "small_m_linear_bf16: contiguous bfloat16 only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == torch::kBFloat16 && y.size(0) == M &&
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.size(0) == M &&
                   y.size(1) == N, "small_m_linear_bf16: y [M, N] contiguous bfloat16");
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                             bias->numel() == N), "small_m_linear_bf16: bias [N] bfloat16");
   thread_local std::vector<float> sums, widened;
   sums.resize(M * N);
@@ -149,14 +152,14 @@ float bf16_step_below(float v) {
 // the largest rounded values wins. {tokens, logits, candidates}; tokens -1 for a row that is
 // not finite. xf: x's rows in float32 (the bound's |x|).
 template <class Exact>
-std::vector<torch::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int64_t V,
-                                      const torch::Tensor& approx, const torch::Tensor& coef,
+std::vector<at::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int64_t V,
+                                      const at::Tensor& approx, const at::Tensor& coef,
                                       bool round_bf16, Exact exact) {
   const float* ap = approx.data_ptr<float>();
   const float* rn = coef.data_ptr<float>();
-  auto tokens = torch::full({B}, -1, torch::kInt64);
-  auto values = torch::zeros({B}, approx.options());
-  auto candidates = torch::zeros({B}, torch::kInt64);
+  auto tokens = at::full({B}, -1, at::kLong);
+  auto values = at::zeros({B}, approx.options());
+  auto candidates = at::zeros({B}, at::kLong);
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* vp = values.data_ptr<float>();
   int64_t* cp = candidates.data_ptr<int64_t>();
@@ -246,23 +249,23 @@ auto float_rows(const float* xp, const float* wp, int64_t K) {
 //      tile small_m_linear runs (each output's sum does not depend on which rows are computed).
 // Returns {tokens int64 [B], logits float32 [B], candidates int64 [B]}; tokens -1 where x's row
 // is not finite (the caller computes that row in full: the bound assumes finite values).
-std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
-                                                  torch::Tensor low, torch::Tensor coef) {
+std::vector<at::Tensor> greedy_argmax_screened(at::Tensor x, at::Tensor weight,
+                                                  at::Tensor low, at::Tensor coef) {
   TORCH_CHECK(bf16_gemv_supported(), "greedy_argmax_screened: needs AVX2 or AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && low.sizes() == weight.sizes() &&
                   x.size(1) == weight.size(1) && coef.dim() == 1 && coef.size(0) == weight.size(0),
               "greedy_argmax_screened: x [B, K], weight and low [V, K], coef [V]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
-                  low.scalar_type() == torch::kBFloat16 &&
-                  coef.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  low.scalar_type() == at::kBFloat16 &&
+                  coef.scalar_type() == at::kFloat && x.is_contiguous() &&
                   weight.is_contiguous() && low.is_contiguous() && coef.is_contiguous(),
               "greedy_argmax_screened: contiguous x, weight, coef float32 and low bf16");
   const int64_t B = x.size(0), K = x.size(1), V = weight.size(0);
-  auto approx = torch::empty({B, V}, x.options());
+  auto approx = at::empty({B, V}, x.options());
   const auto* lp = reinterpret_cast<const uint16_t*>(low.data_ptr());
   float* ap = approx.data_ptr<float>();
 #if defined(__AVX512BF16__)
-  const auto xb = x.to(torch::kBFloat16);
+  const auto xb = x.to(at::kBFloat16);
   small_m::gemm<Bf16Tile>(lp, reinterpret_cast<const uint16_t*>(xb.data_ptr()), B, K, V, ap);
 #elif defined(TPLLM_SIMD16)
   small_m::gemm<small_m::FmaTile>(lp, x.data_ptr<float>(), B, K, V, ap);
@@ -279,9 +282,9 @@ std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor
 // backend/model/greedy_head.py) bounds |approx - exact| by |x| * coef[n]. Steps 2-3 as above.
 // A bf16 head (x and weight bf16, at most 2 rows: what small_m_linear_bf16 takes) gets the
 // logits small_m_linear_bf16 returns: float32 sums of its tile, rounded to bf16.
-std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
-                                                     torch::Tensor q, torch::Tensor scales,
-                                                     torch::Tensor coef) {
+std::vector<at::Tensor> greedy_argmax_screened_q8(at::Tensor x, at::Tensor weight,
+                                                     at::Tensor q, at::Tensor scales,
+                                                     at::Tensor coef) {
   TORCH_CHECK(bf16_gemv_supported(), "greedy_argmax_screened_q8: needs AVX2 or AVX-512");
   constexpr int64_t kGroup = 32;
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && q.sizes() == weight.sizes() &&
@@ -291,18 +294,18 @@ std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Ten
                   coef.size(0) == weight.size(0),
               "greedy_argmax_screened_q8: x [B, K], weight and q [V, K] (K a multiple of 32), "
               "scales [V, K / 32], coef [V]");
-  const bool bf16_head = weight.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK((weight.scalar_type() == torch::kFloat32 || bf16_head) &&
+  const bool bf16_head = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((weight.scalar_type() == at::kFloat || bf16_head) &&
                   x.scalar_type() == weight.scalar_type() &&
-                  q.scalar_type() == torch::kInt8 && scales.scalar_type() == torch::kFloat32 &&
-                  coef.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  q.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
+                  coef.scalar_type() == at::kFloat && x.is_contiguous() &&
                   weight.is_contiguous() && q.is_contiguous() && scales.is_contiguous() &&
                   coef.is_contiguous(),
               "greedy_argmax_screened_q8: contiguous x and weight of one dtype (float32 or "
               "bf16), float32 scales and coef, int8 q");
   const int64_t B = x.size(0), K = x.size(1), V = weight.size(0), G = K / kGroup;
-  const torch::Tensor xf = bf16_head ? x.to(torch::kFloat32) : x;  // exact
-  auto approx = torch::empty({B, V}, xf.options());
+  const at::Tensor xf = bf16_head ? x.to(at::kFloat) : x;  // exact
+  auto approx = at::empty({B, V}, xf.options());
 #if defined(TPLLM_SIMD16)
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();

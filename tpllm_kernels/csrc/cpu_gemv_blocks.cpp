@@ -13,7 +13,7 @@
 // weights (d * q and s * q are exact in float32: checked at load; one rounding when m is
 // added, as gguf's dequantize computes it), then the same 16-lane fused multiply-adds in the
 // same k order into one accumulator per weight row and input row, summed as FmaTile sums them.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -146,19 +146,19 @@ void rows_by_inputs(const uint8_t* q, const float* s, int64_t bytes, int64_t sca
 // x [M, K] float32, q [N, K / 32 * Codes::kBytes] (uint8 or int8), s [N, K / 32 * kScales]
 // float32 (any shape of that many), y [M, N]
 template <class Codes>
-void linear_into(const char* name, const torch::Tensor& x, const torch::Tensor& q,
-                 const torch::Tensor& s, const c10::optional<torch::Tensor>& bias,
-                 torch::Tensor& y) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), name,
+void linear_into(const char* name, const at::Tensor& x, const at::Tensor& q,
+                 const at::Tensor& s, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
               ": x [M, K] contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const int64_t bytes = K / kBlock * Codes::kBytes, scales = K / kBlock * Codes::kScales;
   TORCH_CHECK(K % kBlock == 0 && q.dim() == 2 && q.size(1) == bytes && q.element_size() == 1 &&
                   q.is_contiguous(), name, ": codes [N, K / 32 * ", Codes::kBytes,
               "] bytes, K a multiple of 32");
-  TORCH_CHECK(s.size(0) == N && s.numel() == N * scales && s.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(s.size(0) == N && s.numel() == N * scales && s.scalar_type() == at::kFloat &&
                   s.is_contiguous(), name, ": scales [N, K / 32 * ", Codes::kScales, "] float32");
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == M &&
               y.size(1) == N, name, ": y [M, N] contiguous float32");
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
@@ -206,14 +206,14 @@ int64_t block_copy_max_rows() {
 #endif
 }
 
-void small_m_linear_q4_into(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& dm, const c10::optional<torch::Tensor>& bias,
-                            torch::Tensor& y) {
+void small_m_linear_q4_into(const at::Tensor& x, const at::Tensor& q,
+                            const at::Tensor& dm, const c10::optional<at::Tensor>& bias,
+                            at::Tensor& y) {
   linear_into<Q4>("small_m_linear_q4", x, q, dm, bias, y);
 }
 
-void small_m_linear_q8_into(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
-                            torch::Tensor& y) {
+void small_m_linear_q8_into(const at::Tensor& x, const at::Tensor& q,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
+                            at::Tensor& y) {
   linear_into<Q8>("small_m_linear_q8", x, q, scales, bias, y);
 }

@@ -1,60 +1,70 @@
-// The tensor-level CPU kernels the Python module exposes, for other translation units that
-// compose them (decode_layer.cpp). Definitions: cpu_kernels.cpp, cpu_gemv.cpp,
-// cpu_gemv_bf16.cpp, prefill_attention.cpp.
+// The tensor-level CPU kernels the Python module exposes (bindings.cpp), for other translation
+// units that compose them (decode_layer.cpp). Definitions: decode_attention.cpp,
+// elementwise.cpp, shm_collectives.cpp, cpu_gemv.cpp, cpu_gemv_bf16.cpp, cpu_gemv_blocks.cpp,
+// prefill_attention.cpp. Only ATen's Tensor here, not <torch/extension.h>: each translation unit
+// that includes the latter costs ~15-30 s of the kernel build, so only those that bind Python
+// types (bindings.cpp, decode_layer.cpp, thread_team.cpp) do.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale, torch::Tensor kv_index, int64_t num_splits);
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_write_kv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
-                      int64_t Hkv, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor slot_mapping);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
+                                     double scale, at::Tensor kv_index, int64_t num_splits);
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void rotary_write_kv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t Hq,
+                      int64_t Hkv, at::Tensor k_cache, at::Tensor v_cache,
+                      at::Tensor slot_mapping);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor small_m_linear(at::Tensor x, at::Tensor weight,
+                             c10::optional<at::Tensor> bias);
 // The *_into forms write a preallocated output (a fused decode step's workspace): between
 // layers, with its code gone cold after the GEMVs, each tensor allocation was a visible cost.
-void small_m_linear_into(const torch::Tensor& x, const torch::Tensor& weight,
-                         const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
+void small_m_linear_into(const at::Tensor& x, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, at::Tensor& y);
 // small_m_linear_into from a weight's exact 4-bit or 8-bit block copy (cpu_gemv_blocks.cpp):
 // the same bits
-void small_m_linear_q4_into(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& dm, const c10::optional<torch::Tensor>& bias,
-                            torch::Tensor& y);
+void small_m_linear_q4_into(const at::Tensor& x, const at::Tensor& q,
+                            const at::Tensor& dm, const c10::optional<at::Tensor>& bias,
+                            at::Tensor& y);
 int64_t block_copy_max_rows();  // beyond them the weight itself is read
-void small_m_linear_q8_into(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
-                            torch::Tensor& y);
-void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
-void paged_decode_attention_into(torch::Tensor q, const torch::Tensor& k_cache,
-                                 const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                 const torch::Tensor& context_lens, double scale,
-                                 const torch::Tensor& kv_index, int64_t num_splits,
-                                 torch::Tensor& out);
+void small_m_linear_q8_into(const at::Tensor& x, const at::Tensor& q,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
+                            at::Tensor& y);
+void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
+void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, double scale,
+                                 const at::Tensor& kv_index, int64_t num_splits,
+                                 at::Tensor& out);
 bool bf16_gemv_supported();
 // inputs greedy_argmax_screened_q8 takes per pass over the head (8 AVX-512, 4 AVX2)
 int64_t q8_screen_inputs();
-torch::Tensor small_m_linear_bf16(torch::Tensor x, torch::Tensor weight,
-                                  c10::optional<torch::Tensor> bias);
-void small_m_linear_bf16_into(const torch::Tensor& x, const torch::Tensor& weight,
-                              const c10::optional<torch::Tensor>& bias, torch::Tensor& y);
+at::Tensor small_m_linear_bf16(at::Tensor x, at::Tensor weight,
+                                  c10::optional<at::Tensor> bias);
+void small_m_linear_bf16_into(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias, at::Tensor& y);
 // every row's argmax of x @ weight^T and its logit, mostly from weight's bf16 copy (cpu_gemv_bf16.cpp)
-std::vector<torch::Tensor> greedy_argmax_screened(torch::Tensor x, torch::Tensor weight,
-                                                  torch::Tensor low, torch::Tensor coef);
-std::vector<torch::Tensor> greedy_argmax_screened_q8(torch::Tensor x, torch::Tensor weight,
-                                                     torch::Tensor q, torch::Tensor scales,
-                                                     torch::Tensor coef);
+std::vector<at::Tensor> greedy_argmax_screened(at::Tensor x, at::Tensor weight,
+                                                  at::Tensor low, at::Tensor coef);
+std::vector<at::Tensor> greedy_argmax_screened_q8(at::Tensor x, at::Tensor weight,
+                                                     at::Tensor q, at::Tensor scales,
+                                                     at::Tensor coef);
 // shm_all_reduce with the sum written to `out` (x itself allowed: a fused kernel's own partial,
 // no allocation); returns whether every rank arrived within the spins (else out is untouched)
-bool shm_all_reduce_into(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& slots,
-                         const torch::Tensor& flags, int64_t rank, int64_t seq, int64_t max_spins);
-c10::optional<torch::Tensor> shm_all_reduce(torch::Tensor x, torch::Tensor slots,
-                                            torch::Tensor flags, int64_t rank, int64_t seq,
+bool shm_all_reduce_into(const at::Tensor& x, at::Tensor& out, const at::Tensor& slots,
+                         const at::Tensor& flags, int64_t rank, int64_t seq, int64_t max_spins);
+c10::optional<at::Tensor> shm_all_reduce(at::Tensor x, at::Tensor slots,
+                                            at::Tensor flags, int64_t rank, int64_t seq,
                                             int64_t max_spins);
+// the slots' sum once every rank has published; rank 0's side of gather_first
+at::Tensor shm_sum(at::Tensor x, at::Tensor slots);
+c10::optional<at::Tensor> shm_gather_first(const at::Tensor& x, const at::Tensor& slots,
+                                           const at::Tensor& flags, int64_t seq,
+                                           int64_t max_spins, std::vector<int64_t> sizes);
 // Query heads grouped by the KV head they read (kv_index[h], any map: uneven TP splits
 // included): group kh is heads_by_kv[group_start[kh], group_start[kh + 1]).
 inline void group_heads_by_kv(const int64_t* kv_index, int64_t Hq, int64_t Hkv,
@@ -71,8 +81,6 @@ inline void group_heads_by_kv(const int64_t* kv_index, int64_t Hq, int64_t Hkv,
 }
 
 bool prefill_attention_supported(int64_t head_dim);
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_table,
-                                      int64_t context_len, double scale, torch::Tensor kv_index);
-void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack
-void bind_thread_team(pybind11::module& m);   // the worker team's switches (thread_team.cpp)
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor block_table,
+                                      int64_t context_len, double scale, at::Tensor kv_index);

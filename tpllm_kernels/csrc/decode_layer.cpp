@@ -7,9 +7,10 @@
 // and each one, with the caches just flushed by the weight stream, cost about as much again as
 // its own work for one token. The arithmetic is exactly the modular path's:
 // the same kernels in the same order, so results are bit-identical to it.
-#include "cpu_kernels.h"
-
+#include <torch/extension.h>
 #include <pybind11/stl.h>
+
+#include "cpu_kernels.h"
 
 #include <chrono>
 #include <tuple>

@@ -19,6 +19,7 @@
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -106,9 +107,9 @@ inline void pv_tile(const float* const* p, const float* const* v, int64_t k0, in
 }
 
 template <int D>
-void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
-                  const torch::Tensor& v_cache, const int64_t* table, int64_t ctx, double scale,
-                  const int64_t* kvi, torch::Tensor& out) {
+void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const int64_t* table, int64_t ctx, double scale,
+                  const int64_t* kvi, at::Tensor& out) {
   const int64_t Tq = q.size(0), Hq = q.size(1), BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);
   const int64_t block_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
@@ -205,21 +206,21 @@ bool prefill_attention_supported(int64_t head_dim) {
 // q [Tq, Hq, D] (any row and head strides, unit stride within a head) are the chunk's last Tq
 // positions of a sequence whose first `context_len` tokens (the chunk included) are in the
 // float32 caches [blocks, BS, Hkv, D] at `block_table`. Returns [Tq, Hq, D].
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, torch::Tensor block_table,
-                                      int64_t context_len, double scale, torch::Tensor kv_index) {
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
+                                      at::Tensor v_cache, at::Tensor block_table,
+                                      int64_t context_len, double scale, at::Tensor kv_index) {
   const int64_t D = q.size(2);
   TORCH_CHECK(prefill_attention_supported(D), "paged_prefill_attention: head_dim 64 with "
               "AVX2 or AVX-512 only");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && q.stride(2) == 1 &&
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(3) == D,
               "paged_prefill_attention: float32, contiguous caches, unit stride within a head");
   TORCH_CHECK(q.size(0) <= context_len && block_table.numel() * k_cache.size(1) >= context_len,
               "paged_prefill_attention: the block table must cover context_len >= chunk length");
-  auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
-  auto table = block_table.to(torch::kInt64).contiguous();
-  auto kvi = kv_index.to(torch::kInt64).contiguous();
+  auto out = at::empty({q.size(0), q.size(1), D}, q.options());
+  auto table = block_table.to(at::kLong).contiguous();
+  auto kvi = kv_index.to(at::kLong).contiguous();
 #if defined(TPLLM_SIMD16)
   prefill_impl<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, scale,
                    kvi.data_ptr<int64_t>(), out);

@@ -259,7 +259,7 @@ inline F16 transpose_sum(const F16* d) {
 }
 
 // exp(x) for x <= 0: 2^k * p(r), x = k ln2 + r, p the degree-6 Taylor polynomial of the scalar
-// exp_nonpositive (cpu_kernels.cpp); underflows to 0 below -87
+// exp_nonpositive (kernel_common.h); underflows to 0 below -87
 inline F16 exp_nonpositive(F16 x) {
   x = max(x, set1(-87.0f));
   const F16 k = round_nearest(x * set1(1.44269504088896341f));

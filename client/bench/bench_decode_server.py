@@ -2,7 +2,7 @@
 the default config (issue 17's target is the served default, not only the offline engine).
 
 One server over a copy of model_repository/ with nothing overridden (its threading, wait policy
-and spin are the committed ones). Per round and load: the read bandwidth (client/floors.py, this
+and spin are the committed ones). Per round and load: the read bandwidth (client/bench/floors.py, this
 process, server idle, no busy loop), then perf_analyzer at concurrency 1 (`--streaming`, the
 `--input-data` of client/perf_data.py: one prompt of --input-len tokens, --tokens out, greedy,
 ignore_eos) with the busy loop running for a busy cell, then the same prompt as plain greedy
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from client import benchutil as bu
+from client.bench import benchutil as bu
 
 
 def _input_data(args, model_dir: str, dest: Path) -> Path:
@@ -63,8 +63,7 @@ def _grpc_greedy(grpc_url: str, prompt: str, tokens: int, requests: int) -> floa
 
 def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
     """Rounds x loads of the served default beside their floors; cells and per-load summaries."""
-    from client import floors
-    from client.bench_decode import cell_ratio, start_busy, stop
+    from client.bench import floors
     from client.server import BenchServer
 
     busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
@@ -80,7 +79,7 @@ def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
             for r in range(args.rounds):
                 for load in loads:
                     before = floors.read_bandwidth_gbs()
-                    busy = start_busy(busy_cpu) if load == "busy" else None
+                    busy = bu.start_busy(busy_cpu) if load == "busy" else None
                     try:
                         s = _perf_analyzer(srv.server.grpc_url, data, args.repeats,
                                            Path(d) / f"export-{r}-{load}.json")
@@ -88,14 +87,14 @@ def run(args, loads: list[str], step_bytes: float, model_dir: str) -> dict:
                                               args.repeats)
                     finally:
                         if busy is not None:
-                            stop(busy)
+                            bu.stop_busy(busy)
                     bw = [before, floors.read_bandwidth_gbs()]
                     tpot = s["itl_ms"] / 1e3
                     cells.append({"round": r, "load": load, "tpot_s": tpot, "ttft_s": s["ttft_s"],
                                   "requests": s["requests"], "bandwidth_gbs": bw,
-                                  "floor_ratio": cell_ratio(tpot, bw, step_bytes),
+                                  "floor_ratio": bu.cell_ratio(tpot, bw, step_bytes),
                                   "grpc_tpot_s": greedy,
-                                  "grpc_floor_ratio": cell_ratio(greedy, bw, step_bytes)})
+                                  "grpc_floor_ratio": bu.cell_ratio(greedy, bw, step_bytes)})
                     print(f"served round {r} {load:>5}: ITL {tpot * 1e3:.1f} ms "
                           f"(greedy gRPC {greedy * 1e3:.1f}; read {bw[0]:.1f}/{bw[1]:.1f} GB/s, "
                           f"/floor {cells[-1]['floor_ratio']:.2f}, "

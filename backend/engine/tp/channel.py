@@ -30,7 +30,7 @@ JOIN_RETRY_S = 0.5
 def authkey_path(path: str | None = None) -> Path:
     if path or os.environ.get(AUTHKEY_FILE_ENV):
         return Path(path or os.environ[AUTHKEY_FILE_ENV]).expanduser()
-    from backend.model.gguf_import import cache_root
+    from tpllm_kernels.cache_dir import cache_root
     return cache_root() / "tp-authkey"
 
 

@@ -16,7 +16,7 @@ def launch_group(c: EngineConfig, cfg: ModelConfig, model_dir: Path, num_blocks:
                  packed_rows: int, cuda_graphs: bool, device: torch.device):
     """The started TPGroup (rank 0 is the caller; ranks 1.. are launched, here or on the
     hosts that run `python -m backend.parallel.node`)."""
-    from backend.parallel.group import TPGroup
+    from backend.engine.tp.group import TPGroup
     from backend.parallel.spec import WorkerSpec
     tp = c.tensor_parallel_size
     vocab_shard = max(e - s for s, e in (split_range(cfg.vocab_size, r, tp) for r in range(tp)))

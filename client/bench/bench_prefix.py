@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from client import benchutil as bu
+from client.bench import benchutil as bu
 from client.server import COUNTERS_SETTLE_S
 
 WORDS = ("river harbor lantern copper meadow signal orbit basket engine violet thunder pocket "

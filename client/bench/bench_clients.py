@@ -21,7 +21,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from client.benchutil import cpu_model, default_out, fmt_num, table, write_json
+from client.bench.benchutil import cpu_model, default_out, fmt_num, table, write_json
 from client.server import ROOT
 
 HISTOGRAMS = {"ttft": "llm_time_to_first_token_seconds", "itl": "llm_inter_token_latency_seconds",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
-from client import benchutil as bu
+from client.bench import benchutil as bu
 
 
 @dataclass(frozen=True)

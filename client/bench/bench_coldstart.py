@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from client import benchutil as bu
+from client.bench import benchutil as bu
 from client.generate import grpc_inputs
 from client.server import Server, make_repo
 

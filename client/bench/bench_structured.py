@@ -22,7 +22,7 @@ import time
 import torch
 
 from backend import LLM, SamplingParams
-from client import benchutil as bu
+from client.bench import benchutil as bu
 
 FULL = (64, 256, 128)  # requests, prompt tokens, max output tokens
 QUICK = (8, 32, 32)

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 
-from client import benchutil as bu
+from client.bench import benchutil as bu
 from client.server import COUNTERS_SETTLE_S
 
 WORDS = ("river harbor lantern copper meadow signal orbit basket engine violet thunder pocket "

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from client import benchutil as bu
-from client.bench_layouts import Layout, OfflineLayout, interleave, paired_ratios
+from client.bench import benchutil as bu
+from client.bench.bench_layouts import Layout, OfflineLayout, interleave, paired_ratios
 
 
 def _layouts(tps: list[int], threads: str, transports: list[str]) -> list[Layout]:
@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     print(text)
     served, served_ratios = [], {}
     if args.server:
-        from client import bench_tp_server
+        from client.bench import bench_tp_server
         served = bench_tp_server.run(args, [la for la in layouts if la.transport == "shm"])
         served_ratios = paired_ratios(served, "e2e_s")
         served_text = bench_tp_server.report(info, served, args) + "\n".join(

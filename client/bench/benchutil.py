@@ -5,11 +5,13 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from client import isa_caps
+from client.bench import isa_caps
 
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -185,3 +187,25 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def start_busy(cpu: int | None) -> subprocess.Popen:
+    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None).
+    On Linux it dies with the benchmark (PR_SET_PDEATHSIG): a benchmark killed mid-cell must
+    not leave a core busy behind it."""
+    code = ("import ctypes, signal, sys\n"
+            "if sys.platform.startswith('linux'):\n"
+            "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG\n")
+    if cpu is not None:
+        code += f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n"
+    return subprocess.Popen([sys.executable, "-c", code + "while True:\n    pass\n"])
+
+
+def stop_busy(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def cell_ratio(tpot_s: float, bandwidth_gbs: list[float], step_bytes: float) -> float:
+    """TPOT over the floor at the best of the bandwidths measured around it."""
+    return tpot_s / (step_bytes / (max(bandwidth_gbs) * 1e9))

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from backend import LLM, SamplingParams
 from backend.model.config import ModelConfig
 from backend.model.lora_adapter import TARGETS, module_shape
-from client import benchutil as bu
+from client.bench import benchutil as bu
 
 FULL = (16, 128, 64)  # requests of (b), prompt tokens, output tokens
 QUICK = (4, 16, 8)

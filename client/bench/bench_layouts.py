@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from client import benchutil as bu
+from client.bench import benchutil as bu
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 from backend import LLM, SamplingParams
 from backend.engine.model_files import resolve_model_dir
 from backend.model.config import ModelConfig
-from client import benchutil as bu
-from client import floors
+from client.bench import benchutil as bu
+from client.bench import floors
 
 FULL = {"a": (1024, 64), "b": (64, 256, 128)}  # (a): in, out; (b): requests, in, out
 QUICK = {"a": (128, 8), "b": (8, 32, 16)}

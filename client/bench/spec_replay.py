@@ -159,7 +159,7 @@ def record(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], li
 
 def main(args: argparse.Namespace) -> None:
     from backend import LLM
-    from client.bench_speculation import _chat, chat_prompts, grounded_prompts
+    from client.bench.bench_speculation import _chat, chat_prompts, grounded_prompts
     # speculation on: its warmup measures this machine's verify steps (the recorded outputs are
     # the same as without: greedy tokens are identical either way)
     llm = LLM(model=args.model, num_threads=args.threads, speculative_ngram=args.k,

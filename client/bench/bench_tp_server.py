@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 
-from client import benchutil as bu
-from client.bench_layouts import Layout, interleave
+from client.bench import benchutil as bu
+from client.bench.bench_layouts import Layout, interleave
 from client.serve_overhead import make_prompts, run_server
 from client.server import BenchServer, Server
 

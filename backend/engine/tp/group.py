@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from backend.parallel.channel import RankListener, peer_host, resolve_authkey
+from backend.engine.tp.channel import RankListener, peer_host, resolve_authkey
 from backend.parallel.comm_select import connect, local_segment, rendezvous_store
 from backend.parallel.context import ParallelContext
 from backend.parallel.shm_comm import PeerLostError
@@ -88,7 +88,7 @@ class TPGroup:
         self._store = rendezvous_store(base, timeout)
         ctx = mp.get_context("spawn")
         ctx.set_executable(python_executable())
-        from backend.parallel.worker import worker_main  # here: it pulls in the model and engine
+        from backend.engine.tp.worker import worker_main  # here: it pulls in the model and engine
         for rank in range(1, self.local_ranks):
             parent, child = ctx.Pipe()
             spec = replace(base, rank=rank,

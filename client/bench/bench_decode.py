@@ -11,14 +11,14 @@ and right after that cell (the best of both, no busy loop running): this VM's ba
 between ~30 and ~47 GB/s within minutes, so a floor measured once at the start of a run that
 lasts half an hour made the same decode read as 1.2x or 1.75x of it. A mode's ratio is the
 median of its cells' ratios. --server adds the served default (tritonserver, the committed
-model_repository config, perf_analyzer at concurrency 1): client/bench_decode_server.py.
+model_repository config, perf_analyzer at concurrency 1): client/bench/bench_decode_server.py.
 A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
 KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
 per mode and load, in interleaved rounds: this VM's speed differs between processes by up to
 ~15% (memory placement, neighbours), more than the smaller differences between modes.
 
 Part 2 (--parts 2, with the --spec-* options): speculative decoding on vs off, batch 1 on
-input-grounded and chat prompts and --spec-concurrency requests at once (client/bench_speculation.py;
+input-grounded and chat prompts and --spec-concurrency requests at once (client/bench/bench_speculation.py;
 also `python -m client bench speculation`).
 
 A mode whose short probe (a few tokens) is slower than --give-up-ms per token is not run
@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from client import bench_speculation, benchutil as bu
+from client.bench import bench_speculation, benchutil as bu
 
 DEFAULT_MODES = "team,team-spin0,omp-passive,omp-active,omp-unset,omp-spin10k"
 # the variables a mode sets; every other one is removed from the child's environment
@@ -77,23 +77,6 @@ def child_env(mode: str) -> dict[str, str]:
     return env | mode_env(mode)
 
 
-def start_busy(cpu: int | None) -> subprocess.Popen:
-    """A process spinning on one core: pinned to `cpu`, or placed by the scheduler (None).
-    On Linux it dies with the benchmark (PR_SET_PDEATHSIG): a benchmark killed mid-cell must
-    not leave a core busy behind it."""
-    code = ("import ctypes, signal, sys\n"
-            "if sys.platform.startswith('linux'):\n"
-            "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG\n")
-    if cpu is not None:
-        code += f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n"
-    return subprocess.Popen([sys.executable, "-c", code + "while True:\n    pass\n"])
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait()
-
-
 def run_cell(args, mode: str, load: str, round_: int, step_bytes: float) -> dict:
     """One mode under one load, in a fresh process; its measurements (or why there are none).
     step_bytes: what a decode step reads (the size of a quiet cell's paired reads)."""
@@ -106,11 +89,11 @@ def run_cell(args, mode: str, load: str, round_: int, step_bytes: float) -> dict
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        busy = start_busy(busy_cpu) if load == "busy" else None
+        busy = bu.start_busy(busy_cpu) if load == "busy" else None
         cell["loadavg_at_start"] = os.getloadavg()[0]
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "client.bench_decode", "--child", str(spec_path),
+                [sys.executable, "-m", "client.bench.bench_decode", "--child", str(spec_path),
                  str(out_path)], env=child_env(mode), capture_output=True, text=True,
                 timeout=args.cell_timeout)
             rc, tail = proc.returncode, proc.stderr[-2000:]
@@ -118,7 +101,7 @@ def run_cell(args, mode: str, load: str, round_: int, step_bytes: float) -> dict
             rc, tail = None, f"timed out after {args.cell_timeout} s"
         finally:
             if busy is not None:
-                stop(busy)
+                bu.stop_busy(busy)
         cell["loadavg_at_end"] = os.getloadavg()[0]
         if rc == 0 and out_path.exists():
             return cell | json.loads(out_path.read_text())
@@ -183,7 +166,7 @@ def child_main(spec_path: str, out_path: str) -> int:
         after = cpu_threading.team_stats()
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
         if spec["paired"]:  # None without the kernels (no probe)
-            from client import floors
+            from client.bench import floors
             out["paired"] = floors.paired_steps(llm, prompt, spec["tokens"], spec["step_bytes"])
     Path(out_path).write_text(json.dumps(out))
     return 0
@@ -197,11 +180,6 @@ def _tpot(cell: dict | None) -> str:
     if cell.get("gave_up"):
         return f"> {cell['probe_tpot_s'] * 1e3:.0f} (gave up)"
     return "failed" if "error" in cell else "-"
-
-
-def cell_ratio(tpot_s: float, bandwidth_gbs: list[float], step_bytes: float) -> float:
-    """TPOT over the floor at the best of the bandwidths measured around it."""
-    return tpot_s / (step_bytes / (max(bandwidth_gbs) * 1e9))
 
 
 def _ratio(cell: dict | None) -> float | None:
@@ -267,7 +245,7 @@ def report(res: dict) -> str:
     if errors:
         text += ["", "failed cells:", *errors]
     if res.get("served"):
-        from client import bench_decode_server
+        from client.bench import bench_decode_server
         text += ["", bench_decode_server.report(res["served"], cfg["repeats"])]
     text += ["", "targets (offline: mode team; served: the default config):",
              bu.ratio_lines(res["ratios"])]
@@ -276,7 +254,7 @@ def report(res: dict) -> str:
 
 def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None:
     """The threading modes (fresh processes each) beside the bandwidth floor, into res."""
-    from client import floors
+    from client.bench import floors
     # a step reads every weight and its context's K/V once (the mean context of the request)
     step_bytes = cost.mean_decode_bytes(args.input_len, args.tokens)
     # Round r runs the modes from the r-th on: this VM's speed drifts over minutes and differs
@@ -291,7 +269,7 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
                 c["bandwidth_gbs"] = [before, floors.read_bandwidth_gbs()]
                 if c.get("runs"):
                     tpot = statistics.median(x["tpot_s"] for x in c["runs"])
-                    c["floor_ratio"] = cell_ratio(tpot, c["bandwidth_gbs"], step_bytes)
+                    c["floor_ratio"] = bu.cell_ratio(tpot, c["bandwidth_gbs"], step_bytes)
                 cells.append(c)
                 print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
                       f"(load {c['loadavg_at_start']:.2f}, read "
@@ -310,7 +288,7 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
 
 
 def run_part2(args) -> dict:
-    """Speculative decoding on vs off (client/bench_speculation.py) with the --spec-* options,
+    """Speculative decoding on vs off (client/bench/bench_speculation.py) with the --spec-* options,
     in this process (two engines, the kernels' default threading: the worker team)."""
     spec = argparse.Namespace(**{k.removeprefix("spec_"): v for k, v in vars(args).items()
                                  if k.startswith("spec_")},
@@ -333,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
 
     from backend.engine.model_files import resolve_model_dir
     from backend.model.config import ModelConfig
-    from client import floors
+    from client.bench import floors
 
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model_dir(args.model))
@@ -355,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
     if "1" in parts:
         run_part1(args, modes, loads, cost, res)
         if args.server:
-            from client import bench_decode_server
+            from client.bench import bench_decode_server
             res["served"] = bench_decode_server.run(args, loads, res["floor"]["step_bytes"],
                                                     model_dir)
             served = res["served"]["loads"]

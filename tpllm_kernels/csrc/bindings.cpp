@@ -1,0 +1,43 @@
+// The Python module: every kernel function the extension exposes, defined in the other
+// translation units (declared in cpu_kernels.h). The only file that needs pybind11 and torch's
+// Python bindings for its own code (decode_layer.cpp and thread_team.cpp bind their classes
+// and switches themselves).
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack (decode_layer.cpp)
+void bind_thread_team(pybind11::module& m);   // the worker team's switches (thread_team.cpp)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_m_linear", &small_m_linear);
+  m.def("small_m_linear_into", [](torch::Tensor x, torch::Tensor weight, torch::Tensor y) {
+    small_m_linear_into(x, weight, c10::nullopt, y);
+  });
+  m.def("small_m_linear_q4_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor dm,
+                                     c10::optional<torch::Tensor> bias, torch::Tensor y) {
+    small_m_linear_q4_into(x, q, dm, bias, y);
+  });
+  m.def("block_copy_max_rows", &block_copy_max_rows);
+  m.def("small_m_linear_q8_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                                     c10::optional<torch::Tensor> bias, torch::Tensor y) {
+    small_m_linear_q8_into(x, q, scales, bias, y);
+  });
+  m.def("small_m_linear_bf16", &small_m_linear_bf16);
+  m.def("bf16_gemv_supported", &bf16_gemv_supported);
+  m.def("q8_screen_inputs", &q8_screen_inputs);
+  m.def("greedy_argmax_screened", &greedy_argmax_screened);
+  m.def("greedy_argmax_screened_q8", &greedy_argmax_screened_q8);
+  bind_decode_layer(m);
+  bind_thread_team(m);
+  m.def("rotary_write_kv_", &rotary_write_kv_);
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("prefill_attention_supported", &prefill_attention_supported);
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("shm_all_reduce", &shm_all_reduce);
+  m.def("shm_sum", &shm_sum);
+  m.def("shm_gather_first", &shm_gather_first);
+}
