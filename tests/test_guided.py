@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backend import SamplingParams
-from backend.engine import guided as guided_mod
+from backend.engine.sampling import guided as guided_mod
 from backend.triton.request import parse_request
 from tests.guided_schemas import SCHEMAS
 

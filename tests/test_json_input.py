@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from backend.engine import json_input
 from backend.engine.json_input import MAX_JSON_DEPTH, check_depth, json_depth, loads
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 
 def depth_of(v) -> int:

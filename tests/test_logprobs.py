@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.engine.logprobs import PositionLogprobs, TokenLogprob
+from backend.engine.sampling.logprobs import PositionLogprobs, TokenLogprob
 from backend.engine.outputs import RequestOutput
-from backend.engine.sampler import Sampler
+from backend.engine.sampling.sampler import Sampler
 from backend.triton.request import parse_request
 from backend.triton.response import StreamState, tensors_for
 from tests.test_sampler import row

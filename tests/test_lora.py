@@ -10,7 +10,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.engine.kv_manager import KVCacheManager
-from backend.engine.speculation import StepCost
+from backend.engine.speculation.speculator import StepCost
 from backend.engine.sequence import Sequence
 from backend.model.config import ModelConfig
 from backend.model.lora_adapter import LoraAdapterError, load_adapter

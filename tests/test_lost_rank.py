@@ -13,7 +13,7 @@ from backend.engine.async_engine import AsyncEngine
 from backend.engine.lost_rank import (LostRanks, clean, find_lost, rebuild_notice, step_error)
 from backend.engine.outputs import RequestOutput
 from backend.engine.request_check import PreparedRequest
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.stats import EngineStats
 from backend.engine.tp.channel import peer_host
 from backend.parallel.shm_comm import PeerLostError

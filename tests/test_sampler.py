@@ -4,10 +4,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from backend.engine import sampler as sampler_mod
-from backend.engine.sampler import (Sampler, apply_min_p, apply_min_tokens, apply_penalties,
+from backend.engine.sampling import sampler as sampler_mod
+from backend.engine.sampling.sampler import (Sampler, apply_min_p, apply_min_tokens, apply_penalties,
                                     apply_top_k, apply_top_p, make_generator)
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 INF = float("inf")
 

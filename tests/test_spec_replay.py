@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.engine.speculation import NgramSpeculator, StepCost
+from backend.engine.speculation.speculator import NgramSpeculator, StepCost
 from client.bench.spec_replay import _longest_copy, any_copy, perfect_lengths, replay, replay_one
 from tests.test_speculation import OracleDrafts, _ids
 
@@ -15,7 +15,7 @@ from tests.test_speculation import OracleDrafts, _ids
 def oracle(monkeypatch):
     # as in test_speculation: drafts from the reference outputs, some wrong on purpose, so
     # every verification path (all, some, none accepted) is taken on a random model
-    monkeypatch.setattr("backend.engine.speculation.NgramIndex", OracleDrafts)
+    monkeypatch.setattr("backend.engine.speculation.speculator.NgramIndex", OracleDrafts)
     OracleDrafts.expected = []
     return OracleDrafts
 

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.engine.ngram import NgramIndex
+from backend.engine.speculation.ngram import NgramIndex
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import (_PRIOR_WEIGHT, CPU_STEP_COST, GPU_STEP_COST, Acceptance,
+from backend.engine.speculation.speculator import (_PRIOR_WEIGHT, CPU_STEP_COST, GPU_STEP_COST, Acceptance,
                                         NgramSpeculator, StepCost)
 
 FLAT = StepCost(per_row=0.2)  # a verify row costs 0.2 of a one-row step, however many
@@ -254,7 +254,7 @@ class OracleDrafts:
 
 @pytest.fixture
 def oracle(monkeypatch):
-    monkeypatch.setattr("backend.engine.speculation.NgramIndex", OracleDrafts)
+    monkeypatch.setattr("backend.engine.speculation.speculator.NgramIndex", OracleDrafts)
     OracleDrafts.expected = []
     return OracleDrafts
 

@@ -1,14 +1,14 @@
-"""Speculation's step costs measured at warmup (backend/engine/step_cost.py): verify-shaped steps,
+"""Speculation's step costs measured at warmup (backend/engine/speculation/step_cost.py): verify-shaped steps,
 a table the speculator then uses, no new shapes after ready."""
 from __future__ import annotations
 
 import numpy as np
 
 from backend import LLM
-from backend.engine import step_cost
+from backend.engine.speculation import step_cost
 from backend.engine.buckets import BucketPlan
 from backend.engine.kv_manager import SCRATCH_BLOCK
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 
 def test_a_verify_step_is_one_sequences_rows_padded_to_its_bucket():

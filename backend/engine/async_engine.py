@@ -14,7 +14,7 @@ from typing import Protocol
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.lost_rank import find_lost, rebuild_notice, step_error
 from backend.engine.outputs import RequestOutput
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("backend.engine")
 

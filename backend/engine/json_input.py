@@ -8,7 +8,7 @@ object that did not come from our parser (a caller's dict) is measured by an ite
 
 The limits are far above any real request (a JSON schema or a chat is a few levels deep) and
 bound what one request can make the server allocate. This lives in the engine package because
-both the engine (structured-output specs, backend/engine/guided_spec.py) and the Triton adapter
+both the engine (structured-output specs, backend/engine/sampling/guided_spec.py) and the Triton adapter
 (backend/triton/request.py) read client JSON, and the adapter may import the engine, not back.
 """
 from __future__ import annotations

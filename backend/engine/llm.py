@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.outputs import CompletionOutput
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -18,21 +18,21 @@ from backend.engine.buckets import BucketPlan
 from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from backend.engine.guided import GuidedMasker
+from backend.engine.sampling.guided import GuidedMasker
 from backend.engine.kv_manager import KVCacheManager
-from backend.engine.logprobs import decode_tokens
+from backend.engine.sampling.logprobs import decode_tokens
 from backend.engine.lora import LoraRegistry
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
 from backend.engine.request_check import PreparedRequest, prepare_request
-from backend.engine.sampler import Sampler, make_generator
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampler import Sampler, make_generator
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.speculation import (CPU_STEP_COST, CPU_VERIFY_ROWS, GPU_STEP_COST,
+from backend.engine.speculation.speculator import (CPU_STEP_COST, CPU_VERIFY_ROWS, GPU_STEP_COST,
                                          NgramSpeculator, StepCost)
 from backend.engine.sequence import Sequence, Status
-from backend.engine import step_cost
+from backend.engine.speculation import step_cost
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats

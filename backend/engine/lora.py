@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import StepInputs
 from backend.model.config import ModelConfig

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backend.engine.logprobs import PositionLogprobs
+from backend.engine.sampling.logprobs import PositionLogprobs
 
 if TYPE_CHECKING:
     from backend.engine.sequence import Sequence

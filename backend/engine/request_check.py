@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.engine.guided import GuidedMasker, GuidedState
+from backend.engine.sampling.guided import GuidedMasker, GuidedState
 from backend.engine.kv_manager import KVCacheManager
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass

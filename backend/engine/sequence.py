@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -41,7 +41,7 @@ class Sequence:
     collective_seconds: float = 0.0  # ... of which inside tensor-parallel collectives
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    guided: object | None = None  # GuidedState (backend/engine/guided.py) of a constrained request
+    guided: object | None = None  # GuidedState (backend/engine/sampling/guided.py) of a constrained request
     # speculative decoding (speculation.py): this step's draft tokens (computed as extra decode
     # rows, appended only once verified) and the sequence's drafting state (SpecState)
     draft_token_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from backend.engine.kv_manager import SCRATCH_BLOCK
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import StepInputs
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.engine import json_input
-from backend.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from backend.engine.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from backend.triton.vllm_compat import (STRUCTURED_KEYS, check_lora, seed_value,
                                         structured_fields)
 

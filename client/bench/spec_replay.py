@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.engine.ngram import NgramIndex, agreeing, copy_from
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.speculation.ngram import NgramIndex, agreeing, copy_from
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
-from backend.engine.speculation import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, SpecState, \
+from backend.engine.speculation.speculator import CPU_STEP_COST, CPU_VERIFY_ROWS, NgramSpeculator, SpecState, \
     StepCost
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from backend.engine.guided_spec import GuidedSpec, guided_spec
+from backend.engine.sampling.guided_spec import GuidedSpec, guided_spec
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 64
@@ -39,7 +39,7 @@ class SamplingParams:
     # Per-token logprobs (RequestOutput.logprobs): None = off; k = the chosen token's logprob plus
     # the k most likely tokens at each position (OpenAI's top_logprobs; vLLM's `logprobs=k`).
     top_logprobs: int | None = None
-    # Structured output (at most one; backend/engine/guided_spec.py): the output is constrained,
+    # Structured output (at most one; backend/engine/sampling/guided_spec.py): the output is constrained,
     # token by token, to match a JSON schema (a dict or its JSON text), a regex, one of a list of
     # strings, an EBNF grammar (xgrammar's dialect), or response_format {"type": "json_object"}
     # (any JSON) / {"type": "json_schema", "json_schema": {"schema": ...}}. The request stops

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.ngram import NgramIndex, agreeing, copy_from
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.speculation.ngram import NgramIndex, agreeing, copy_from
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5  # the sampler decodes rows below this temperature greedily

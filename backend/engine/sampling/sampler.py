@@ -12,8 +12,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from backend.engine import logprobs as lp_mod
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling import logprobs as lp_mod
+from backend.engine.sampling.sampling_params import SamplingParams
 
 # Below this temperature logits / T can overflow float32 and the distribution is a point mass on
 # the argmax anyway (vLLM uses the same cutoff), so such rows are decoded greedily.
@@ -198,7 +198,7 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | frozenset[int], seed: int | None = None,
                  mask: LogitsMask | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Structured output (backend/engine/guided.py): masks constrained rows in place first.
+        # Structured output (backend/engine/sampling/guided.py): masks constrained rows in place first.
         self.mask = mask
         # Unseeded rows draw from here; randomly seeded so restarts do not repeat the same "random"
         # outputs (torch.Generator() alone always starts from the same fixed seed).

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from backend.engine.buckets import BucketPlan
-from backend.engine.sampling_params import SamplingParams
+from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import StepInputs, build_step_inputs
 

@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from backend.engine.guided_spec import GuidedSpec
+from backend.engine.sampling.guided_spec import GuidedSpec
 
 DEFAULT_CACHE_ENTRIES = 256
 # logits dtypes masked through a numpy view (numpy has no bfloat16); the byte view needs the

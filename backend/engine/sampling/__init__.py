@@ -1,0 +1,1 @@
+"""Sampling: the per-request parameters, the sampler, logprobs and structured output."""
