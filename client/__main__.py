@@ -140,8 +140,8 @@ def speculation_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     a("prompts", type=int, default=21, help="prompts of (a) and of (b) (default 21)")
     a("max-tokens", type=int, default=192, help="output tokens at most (default 192)")
     a("concurrency", type=int, default=64, help="requests of (c) (default 64)")
-    # 5: through servers a (c) round drifted up to a fifth either way (A/A of two speculation-off
-    # servers, AMD EPYC Zen 5: 1.24 1.16 0.93 0.93), too much for a median of 3
+    # 5: through servers a (c) round drifts up to a fifth either way (an A/A run of two
+    # speculation-off servers), too much for a median of 3
     a("rounds", type=int, default=5, help="rounds of (c), on/off order alternating (default 5)")
     a("server", action="store_true", help="through tritonserver (gRPC streaming)")
     a("seed", type=int, default=0, help="seed of the generated prompts")

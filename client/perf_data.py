@@ -15,7 +15,7 @@ whatever bytes it finds (seen: +-1e38, 2e23 in exports). Our optional outputs ar
 asked for, so the FP32 one (`cumulative_logprob`) was garbage on every streamed delta; when the
 garbage was a NaN/Inf bit pattern, perf_analyzer's JSON writer stopped mid-document, its buffer
 was never flushed, and `--profile-export-file` was left empty with exit status 0 (1 in ~8 runs of
-tests/integration/test_perf_analyzer.py on 2026-12-02). Asking for the output puts a real,
+tests/integration/test_perf_analyzer.py). Asking for the output puts a real,
 finite value on every response; it costs one log-sum-exp over the vocabulary per token.
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """One-shot all-reduce and gather over shared memory, for tensor-parallel ranks on one host.
 
 Why: a decode step does two all-reduces per layer of a few KB each. A general-purpose library
-call (gloo) costs ~240 us each on this machine; here a rank copies its tensor into its own slot,
-publishes a sequence number, waits until every peer has published the same number, and sums
-all slots itself, in one C++ call when the CPU kernels are built (tpllm_kernels/csrc: 13-20 us per
-call between real layers, where a handful of torch ops took 40-80 us), else with torch ops.
+call (gloo) costs an order of magnitude more than the data's copy (`python -m client bench tp
+--transports shm,gloo`); here a rank copies its tensor into its own slot, publishes a sequence
+number, waits until every peer has published the same number, and sums all slots itself, in one
+C++ call when the CPU kernels are built (tpllm_kernels/csrc/shm_collectives.cpp: a few torch ops
+dispatched cold between layers cost several times that call), else with torch ops.
 Every rank sums the slots in the same order, so all ranks get bit-identical results.
 
 Memory layout (one segment): per-rank flags (one cache line each), then two data buffers
@@ -26,7 +27,7 @@ import torch
 
 _LINE = 64  # bytes per flag: one cache line, so ranks don't false-share
 _SPINS_BEFORE_YIELD = 2000  # then yield the core: TP > cores must not starve the peer it waits on
-_NATIVE_SPINS = 20000  # pause instructions the C++ path spins (~1 ms) before the Python wait
+_NATIVE_SPINS = 20000  # pause instructions the C++ path spins (about a millisecond) first
 _LIVENESS_EVERY_S = 0.05
 
 

@@ -1,7 +1,7 @@
 """Custom Triton metrics of one replica (served on Triton's metrics port, Prometheus text format).
 
 All carry the labels model, version and instance. `pb` is triton_python_backend_utils (a fake in
-unit tests); each metric call is an IPC to the server (~15 us), so the llm_* families observe
+unit tests); each metric call is an IPC to the server, so the llm_* families observe
 nothing per token: latencies once per request, gauges and engine counters from a snapshot every
 `interval` seconds. The vLLM families (vllm_metrics.py, parameter vllm_metrics) observe
 time_per_output_token once per token, as vLLM does.

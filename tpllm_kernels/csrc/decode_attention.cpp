@@ -210,10 +210,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   // Runs: consecutive rows of one sequence (a decode verifying drafts: 1 + drafts rows, the same
   // block table, lengths one apart) attend in one task per split, each row's heads as heads of
   // their own (attend_blocks_d64's head_len), so a KV block is read once for all of them, not
-  // once per row. SmolLM2's 30 layers (9/3 heads), 2 threads, AMD EPYC Zen 4, interleaved runs:
-  // 2048-token context, 5 rows 14.1-14.6 ms vs 19.3-28.9 as a task per row, 8 rows 17.8-18.2 vs
-  // 24.0-46.1; 1024: 5 rows 7.4-7.8 vs 9.2-21.2; at ~500 tokens (a layer's K/V fits L2) no
-  // change. Only with fixed splits (a row's splits then do not depend on its run) and the
+  // once per row: faster for long contexts, no change once a layer's K/V fits L2
+  // (docs/decisions.md, "Speculation verify rows share KV reads"). Only with fixed splits (a row's splits then do not depend on its run) and the
   // head_dim 64 kernel; a row's result is the same bits as alone.
   bool runs_ok = num_splits <= 0 && D == 64;
 #if !defined(TPLLM_SIMD16)

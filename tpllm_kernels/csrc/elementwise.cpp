@@ -23,8 +23,7 @@ namespace {
 // add_rms_norm_ passes out = x; rms_norm (the first layer's norm, no residual yet) passes none,
 // so both norms are one computation. Why C++ for the plain norm too: torch's rms_norm is a
 // composite of ~6 ops, each dispatched cold after a decode step's weight stream has evicted the
-// caches: 100-110 us a batch-1 step against 22-25 for this call (SmolLM2, 1024 in, 3 x 150
-// steps, perf_counter around the call; AMD EPYC Zen 5).
+// caches: several times this one call per batch-1 step (`python -m client bench decode`).
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, T* residual, at::Tensor& out,
                    const at::Tensor& weight, double eps) {
@@ -59,8 +58,8 @@ void rms_norm_rows(const at::Tensor& x, T* residual, at::Tensor& out,
 
 // silu(x) = x / (1 + exp(-x)) of one row into s[0, n), the exponential as exp_any's (exp of
 // -|x|, inverted for x < 0). SIMD builds: 16 lanes at a time with the vector polynomial (GCC
-// did not vectorize the scalar loop for AVX2: 1024 x 1536 took 8.0 ms there, torch's silu *
-// up 1.4 ms; AMD EPYC Zen 3, 2 threads), then the tail in scalar code.
+// does not vectorize the scalar loop for AVX2, which then ran several times slower than torch's
+// silu * up), then the tail in scalar code.
 inline void silu_row(const float* x, float* s, int64_t n) {
   int64_t i = 0;
 #if defined(TPLLM_SIMD16)

@@ -82,8 +82,8 @@ void sum_slots_into(const at::Tensor& slots, at::Tensor& out) {
 // int64 [world, 8]: a cache line per rank), spins until every rank has published `seq` (at
 // most max_spins pauses, without the GIL), then sums the slots. Returns None if the peers did
 // not all arrive in time: the caller then waits its slow way (yielding, checking that the peers
-// live) and calls shm_sum. One C++ call instead of several torch ops: each cost up to ~14 us
-// when its code had gone cold between collectives.
+// live) and calls shm_sum. One C++ call instead of several torch ops, each costly when its code
+// has gone cold between collectives.
 bool shm_all_reduce_into(const at::Tensor& x, at::Tensor& out, const at::Tensor& slots,
                          const at::Tensor& flags, int64_t rank, int64_t seq,
                          int64_t max_spins) {
@@ -129,8 +129,8 @@ at::Tensor shm_sum(at::Tensor x, at::Tensor slots) {
 // read rank 0's part), spins until every rank has published it (at most max_spins pauses,
 // without the GIL), then returns [rows, sum(sizes)]: x (rank 0's [rows, sizes[0]]) and each
 // peer r's posted [rows, sizes[r]] side by side. None if a peer was late (the caller waits its
-// liveness-checking way, then calls again). One C++ call: the same steps as torch ops took
-// ~0.25 ms per decode step on SmolLM2 TP2, their code cold after the lm_head's weight stream.
+// liveness-checking way, then calls again). One C++ call: the same steps as torch ops were a
+// visible share of a TP2 decode step, their code cold after the lm_head's weight stream.
 c10::optional<at::Tensor> shm_gather_first(const at::Tensor& x, const at::Tensor& slots,
                                               const at::Tensor& flags, int64_t seq,
                                               int64_t max_spins, std::vector<int64_t> sizes) {

@@ -58,9 +58,9 @@ def _build_rank(spec: WorkerSpec, parent_pid: int) -> ModelRunner:
 
 
 def _next_message(conn, spin_s: float) -> bytes:
-    """The next step message. Polls for up to spin_s first: asleep in recv, rank 1 of TP2 reached
-    a decode step's first collective ~400 us after rank 0 (which waits there for it); polling,
-    ~170 us. Not when ranks outnumber cores: the poller would hold a core a peer needs."""
+    """The next step message. Polls for up to spin_s first: woken from recv, a rank reaches a
+    decode step's first collective well after rank 0, which waits there for it (`python -m client
+    bench tp`). Not when ranks outnumber cores: the poller would hold a core a peer needs."""
     if spin_s:
         deadline = time.perf_counter() + spin_s
         while not conn.poll() and time.perf_counter() < deadline:
