@@ -109,8 +109,9 @@ BAD_HTTP = [
     ({"text_input": "x", "frequency_penalty": -3.0}, "frequency_penalty"),
     ({"text_input": "x", "sampling_parameters": _sp(frequency_penalty=2.5)},
      "sampling_parameters.frequency_penalty"),
-    # seed out of range (the tensor is UINT64: out-of-range values only fit in JSON)
-    ({"text_input": "x", "sampling_parameters": _sp(seed=-1)}, "sampling_parameters.seed"),
+    # seed out of range: any int64 or uint64 is a seed (vLLM's clients send -1; the tensor is
+    # UINT64), so only values beyond both fit in JSON alone
+    ({"text_input": "x", "sampling_parameters": _sp(seed=-2**63 - 1)}, "sampling_parameters.seed"),
     ({"text_input": "x", "sampling_parameters": _sp(seed=2**64)}, "sampling_parameters.seed"),
     ({"text_input": "x", "sampling_parameters": _sp(random_seed=1.5)},
      "sampling_parameters.random_seed"),
