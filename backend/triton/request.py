@@ -3,7 +3,7 @@
 Three sources, most specific wins: input tensors > request parameters (HTTP generate's
 `parameters`) > the `sampling_parameters` JSON object (vLLM-backend convention). Every error is a
 ValueError whose message starts with the name the client used (e.g. "min_length: ...").
-See docs in model_repository/llm/README.md for the contract and the defaults.
+The contract and the defaults: model_repository/README.md.
 """
 from __future__ import annotations
 
