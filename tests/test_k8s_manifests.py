@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from backend import serve
-from backend.parallel import node
+from backend.engine.tp import node  # the code behind `python -m backend.parallel.node`
 from backend.engine.tp.channel import AUTHKEY_ENV
 from backend.triton.model_config import parse_parameters, parameter_values
 

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from backend.engine.errors import EngineUnavailable
+
 from backend.triton import adapter as adapter_mod
 from backend.triton.adapter import TritonLLMModel
 from backend.triton.metrics import NullMetrics
@@ -168,7 +170,7 @@ def test_the_engine_shutting_down_is_unavailable(model):
 
     def add(rid, prompt, params, sink=None):
         model._stopping = True  # _teardown sets it, then shuts the engine down, meanwhile
-        raise RuntimeError("the engine is shutting down")
+        raise EngineUnavailable("the engine is shutting down")
     model.engine.add_request = add
     model.execute([req])
     assert req.error().code == FakeError.UNAVAILABLE
@@ -221,3 +223,19 @@ def test_logprobs_in_range_is_accepted_without_return_logprobs(model):
     req = FakeRequest("x", {"logprobs": 20})
     model.execute([req])
     assert req.error() is None and prompts_submitted(model) == ["x"]
+
+
+def test_a_group_being_rebuilt_is_unavailable_not_internal(model):
+    """A TP group across hosts refuses requests while it is rebuilt: the client gets the
+    engine's notice (which rank, retry) as UNAVAILABLE, the model is not stopping."""
+    req = FakeRequest("meanwhile")
+    notice = ("unavailable: tensor-parallel rank 1 (the worker on host h) was lost; the "
+              "tensor-parallel group is being rebuilt; retry later")
+
+    def add(rid, prompt, params, sink=None):
+        raise EngineUnavailable(notice)
+    model.engine.add_request = add
+    model.execute([req])
+    assert not model._stopping
+    assert req.error().code == FakeError.UNAVAILABLE and req.error().msg == notice
+    assert list(model.responder.active) == []

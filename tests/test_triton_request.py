@@ -88,9 +88,9 @@ def test_return_cumulative_logprob_turns_on_logprobs():
     ({"text_input": b("x")}, {"max_tokens": 2.5}, "max_tokens"),
     ({"text_input": b("x")}, {"seed": -2**63 - 1}, "seed"),
     ({"text_input": b("x")}, {"seed": 2**64}, "seed"),
-    ({"text_input": b("x"), "sampling_parameters": b('{"lora_name": "sql"}')}, None,
+    ({"text_input": b("x"), "sampling_parameters": b('{"lora_name": 5}')}, None,
      "sampling_parameters.lora_name"),
-    ({"text_input": b("x")}, {"lora_name": "sql"}, "lora_name"),
+    ({"text_input": b("x")}, {"lora_name": 5}, "lora_name"),
     ({"text_input": b("x"), "sampling_parameters": b(json.dumps(
         {"structured_outputs": {"structural_tag": "{}"}}))}, None,
      "sampling_parameters.structured_outputs.structural_tag"),

@@ -92,10 +92,14 @@ def test_structured_nulls_pass():
         is None
 
 
-def test_lora_name_null_passes_other_values_are_errors():
-    assert parse_request(sp({"lora_name": None, "max_tokens": 3})).params.max_tokens == 3
-    with pytest.raises(ValueError, match=r"^sampling_parameters\.lora_name: LoRA adapters are "):
-        parse_request(sp({"lora_name": "doc-qa"}))
+def test_lora_name_null_is_the_base_model_a_name_is_passed_on():
+    """null (vllm_backend's clients send it) is the base model; a name reaches SamplingParams
+    (the engine refuses a name it has no adapter for); a non-string is an error naming it."""
+    req = parse_request(sp({"lora_name": None, "max_tokens": 3}))
+    assert req.params.max_tokens == 3 and req.params.lora_name is None
+    assert parse_request(sp({"lora_name": "doc-qa"})).params.lora_name == "doc-qa"
+    with pytest.raises(ValueError, match=r"^sampling_parameters\.lora_name: must be a string"):
+        parse_request(sp({"lora_name": 5}))
 
 
 def test_buckets_1_2_5():

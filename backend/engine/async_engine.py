@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Protocol
 
+from backend.engine.errors import EngineUnavailable
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.lost_rank import find_lost, rebuild_notice, step_error
 from backend.engine.outputs import RequestOutput
@@ -72,9 +73,9 @@ class AsyncEngine:
                     params: SamplingParams | None = None,
                     sink: OutputSink | None = None) -> OutputSink:
         if self._stopping:
-            raise RuntimeError("the engine is shutting down")
+            raise EngineUnavailable("the engine is shutting down")
         if self._refusal is not None:
-            raise RuntimeError(self._refusal)
+            raise EngineUnavailable(self._refusal)
         prepared = self.engine.prepare_request(request_id, prompt, params)
         sink = sink if sink is not None else RequestStream(request_id)
         self._commands.put(("add", prepared, sink))

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from backend.engine.errors import EngineUnavailable
 from backend.triton.model_config import check_transaction_policy, parse_parameters
 from backend.triton.placement import (compute_placement, count_visible_gpus,
                                       cuda_visible_devices, engine_device)
@@ -169,9 +170,7 @@ class TritonLLMModel:
             submitted = True
             try:
                 self.engine.add_request(rid, prompt, req.params, sink=self.responder)
-            except RuntimeError as e:
-                if not self._stopping:  # set before the engine shuts down (_teardown)
-                    raise  # not the shutdown: an internal error (below)
+            except EngineUnavailable as e:  # shutting down, or a TP group being rebuilt
                 self.responder.unregister(rid)
                 self.responder.send_error(sender, str(e),
                                           getattr(pb.TritonError, "UNAVAILABLE", None))

@@ -14,8 +14,7 @@ import numpy as np
 
 from backend.engine import json_input
 from backend.engine.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from backend.triton.vllm_compat import (STRUCTURED_KEYS, check_lora, seed_value,
-                                        structured_fields)
+from backend.triton.vllm_compat import STRUCTURED_KEYS, seed_value, structured_fields
 
 # client name -> (kind, target). Targets starting with "." are adapter options, others are
 # SamplingParams fields. TensorRT-LLM names (min_length, random_seed, runtime_top_k/p) are aliases.
@@ -49,7 +48,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     # vLLM's structured-output dicts (the OpenAI frontend's named/required tool_choice)
     "structured_outputs": ("structured", ".structured"),
     "guided_decoding": ("structured", ".structured"),
-    "lora_name": ("lora", ".lora_name"),
     "beam_width": ("int", ".beam_width"),
     "n": ("int", ".beam_width"),
     "best_of": ("int", ".best_of"),  # older OpenAI frontends forward it (default 1)
@@ -123,10 +121,6 @@ def convert(name: str, kind: str, v):
     """One client value -> the Python value of `kind`, or ValueError naming `name`."""
     if kind == "structured":
         return structured_fields(name, v if isinstance(v, (dict, list)) else _one(name, v))
-    if kind == "lora":
-        v = None if v is None else _text(name, _one(name, v))
-        check_lora(name, v)
-        return v
     if kind in ("str", "json"):
         v = _text(name, _one(name, v)) if not isinstance(v, (dict, list)) else v
         if kind == "json":

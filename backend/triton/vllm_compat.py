@@ -4,7 +4,6 @@
 - `structured_outputs` (Triton's OpenAI frontend from 25.11, vLLM's StructuredOutputsParams) and
   `guided_decoding` (frontends 25.05-25.10 and vllm_backend clients, vLLM's GuidedDecodingParams):
   one dict (or its JSON text: the frontend sends json.dumps(asdict(params))) -> our guided_* fields.
-- `lora_name`: no LoRA yet, so only null passes (check_lora is the one place LoRA replaces).
 Every error is a ValueError whose message starts with the name the client used.
 """
 from __future__ import annotations
@@ -70,10 +69,3 @@ def structured_fields(name: str, v) -> dict:
     if len(given) > 1:
         raise ValueError(f"{name}: give one constraint, got {', '.join(given)}")
     return out
-
-
-def check_lora(name: str, v) -> None:
-    """`lora_name`: null means the base model; LoRA adapters are not served yet."""
-    if v is not None:
-        raise ValueError(f"{name}: LoRA adapters are not supported by this model, got {v!r} "
-                         "(send null or leave it out)")
