@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; override on a GPU host, e.g. `make setup TORCH=torch`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-fast serve bench clean genai-perf
+.PHONY: setup test test-fast serve bench clean genai-perf llamacpp
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,20 @@ $(GENAI_VENV)/.installed: Makefile
 	$(GENAI_VENV)/bin/python -m pip install -q "genai-perf==0.0.16" "numpy<2"
 	touch $@
 
+# Optional: llama.cpp (llama-cpp-python, built from source for this CPU) in a venv of its own, the
+# CPU peer of `python -m client bench offline --compare hf,llamacpp`. A native build runs only on
+# CPUs with this one's instruction sets: the stamp records them and a different CPU rebuilds.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_CPU  := $(shell grep -m1 -o 'avx512[a-z_0-9]*\|avx2\|fma' /proc/cpuinfo 2>/dev/null | sort -u | tr '\n' ' ')
+llamacpp:
+	@if [ "$$(cat $(LLAMACPP_VENV)/.installed 2>/dev/null)" != "$(LLAMACPP_CPU)" ]; then \
+	  set -e; rm -rf $(LLAMACPP_VENV); $(PYTHON) -m venv $(LLAMACPP_VENV); \
+	  $(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip; \
+	  echo "building llama-cpp-python for this CPU ($(LLAMACPP_CPU)), several minutes"; \
+	  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"; \
+	  echo "$(LLAMACPP_CPU)" > $(LLAMACPP_VENV)/.installed; fi
+
 test: setup
 	TPLLM_REQUIRE_CPU_KERNELS=1 $(PY) -m pytest -q -ra
 
@@ -49,4 +63,4 @@ bench: setup
 	$(PY) -m client bench offline --compare hf
 
 clean:
-	rm -rf $(VENV) $(GENAI_VENV) .pytest_cache
+	rm -rf $(VENV) $(GENAI_VENV) $(LLAMACPP_VENV) .pytest_cache

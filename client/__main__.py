@@ -28,10 +28,20 @@ def cap_isa_arg(p: argparse.ArgumentParser) -> None:
                         "paths on this CPU; its memory system stays; client/bench/isa_caps.py)")
 
 
+def _compare_list(value: str) -> str:
+    names = [v for v in value.split(",") if v]
+    bad = [v for v in names if v not in ("hf", "llamacpp")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected hf, llamacpp or both, got {value!r}")
+    return ",".join(names)
+
+
 def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("offline", help="offline throughput/latency vs transformers and floors")
     _runtime_args(p)
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers")
+    p.add_argument("--compare", type=_compare_list, default=None, metavar="hf,llamacpp",
+                   help="peers to run too, comma-separated: hf (transformers), llamacpp "
+                        "(llama.cpp on the same GGUF, paired rounds; `make llamacpp` first)")
     p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
                    help="transformers' dtype (default: the same as --dtype)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of workload (a) (default 3)")
@@ -222,11 +232,25 @@ def _cmd_bench_lora(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench.bench_lora")
 
 
+def _cmd_bench_step_parts(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("step-parts", help="where a batch-1 decode step's time goes (GEMVs, "
+                                            "attention, head, the rest)")
+    _runtime_args(p)
+    p.add_argument("--context", type=int, default=1056,
+                   help="the sequence's tokens of context (default 1056: the mean of a "
+                        "1024-in / 64-out request)")
+    p.add_argument("--rounds", type=int, default=40, help="timed rounds (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench_results/step-parts-<ts>.json)")
+    p.set_defaults(runner="client.bench.bench_step_parts")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
                              metavar="{offline,tp,coldstart,clients,prefix,structured,decode,"
-                                     "speculation,spec-replay}")
+                                     "speculation,spec-replay,lora,step-parts}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
@@ -237,6 +261,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     _cmd_bench_speculation(bench)
     _cmd_bench_spec_replay(bench)
     _cmd_bench_lora(bench)
+    _cmd_bench_step_parts(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -41,7 +41,9 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     names = [r["name"] for r in data["ratios"]]
     # no ratio against a constant measured on another machine (the old ours/vLLM-CPU line)
     assert names == ["(a) e2e ours/HF", "(a) TTFT ours/floor", "(a) TPOT ours/floor",
-                     "(a) decode step / paired read", "(b) output tok/s ours/HF"], names
+                     "(a) decode step / paired read", "(a) TTFT ours/llama.cpp",
+                     "(a) TPOT ours/llama.cpp", "(b) output tok/s ours/HF"], names
+    assert "llamacpp" not in data
     # (a)'s decode steps paired with reads of their bytes: one ratio per decode step
     paired = data["ours"]["a_paired"]
     out_a = data["sizes"]["a"][1]
@@ -51,9 +53,16 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     assert "step / read" in proc.stdout
     assert all(r["verdict"] in ("PASS", "MISS", "n/a") for r in data["ratios"])
     assert "(a) concurrency 1" in proc.stdout and "(b) 8 requests" in proc.stdout
-    # the decode floor counts the K/V a step reads beside the weights (the mean context's)
-    cost = data["floor"]["cost"]
-    assert data["floor"]["a"]["decode_bytes_per_token"] > cost["weight_bytes"]
+    # the decode floor counts the weights as the step reads them (the default model's block
+    # copies and greedy head screen: well under its float32 bytes) and the mean context's K/V
+    cost, fa = data["floor"]["cost"], data["floor"]["a"]
+    read = data["ours"]["step_weight_bytes"]
+    assert fa["weights_as_read"] and read["total"] == read["layers"] + read["lm_head"]
+    assert 0.1 * cost["weight_bytes"] < read["total"] < 0.3 * cost["weight_bytes"], read
+    in_a, out_a = data["sizes"]["a"]
+    assert fa["decode_bytes_per_token"] == pytest.approx(
+        read["total"] + cost["kv_bytes_per_token"] * (in_a + out_a / 2))
+    assert "weights as read" in proc.stdout
 
 
 @pytest.mark.slow
@@ -182,3 +191,24 @@ def test_bench_prefix_quick(tmp_path: Path) -> None:
         on, off = r["on"]["work"], r["off"]["work"]
         assert on["steps"] > 0 and on["scheduled_tokens"] == off["scheduled_tokens"] > 0
     assert "engine work on/off by round" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_step_parts_smoke(tmp_path: Path) -> None:
+    """`bench step-parts` at a toy context: every part timed each round, bytes counted as read."""
+    out = tmp_path / "parts.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", "step-parts", "--context", "48", "--rounds", "3",
+         "--wait-policy", "passive", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for part in ("step", "gemv", "attention", "head", "read"):
+        assert len(data["times_s"][part]) == 3 and min(data["times_s"][part]) > 0, part
+    med = data["median_s"]
+    assert data["rest_s"] == pytest.approx(med["step"] - med["gemv"] - med["attention"]
+                                           - med["head"])
+    w = data["weight_bytes"]
+    assert data["step_bytes"] == w["total"] + data["kv_bytes"]
+    assert "gemv (layers)" in proc.stdout
+    assert data["info"]["cpu"] in proc.stdout  # the report names the CPU

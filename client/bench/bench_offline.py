@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from pathlib import Path
 
 import torch
 
@@ -16,7 +17,7 @@ from backend import LLM, SamplingParams
 from backend.engine.model_files import resolve_model_dir
 from backend.model.config import ModelConfig
 from client.bench import benchutil as bu
-from client.bench import floors
+from client.bench import floors, llamacpp_peer
 
 FULL = {"a": (1024, 64), "b": (64, 256, 128)}  # (a): in, out; (b): requests, in, out
 QUICK = {"a": (128, 8), "b": (8, 32, 16)}
@@ -44,6 +45,42 @@ def ours_single(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
         raw["token_ids"].append(out.token_ids)
     return {"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")},
             "engine_stats": _stats_delta(llm.stats, before)}
+
+
+def paired_single(llm: LLM, peer, prompts: list[list[int]], out_len: int) -> tuple[dict, dict]:
+    """(a) for our engine and llama.cpp in paired rounds: each prompt runs on both, back to back,
+    the order alternating by round, so a shift of this shared VM's speed lands on both sides.
+    prompts[0] is both systems' warm-up. Returns (ours, llama.cpp) in ours_single's form."""
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    raws = [{"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []} for _ in range(2)]
+    before = llm.stats
+
+    def run_ours(p):
+        out = llm.generate([p], sp)[0]
+        assert len(out.token_ids) == out_len, (len(out.token_ids), out_len)
+        return out.metrics["ttft_s"], out.metrics["e2e_s"], out.token_ids
+
+    def run_peer(p):
+        got = peer.generate(p, out_len)
+        assert len(got["token_ids"]) == out_len, (len(got["token_ids"]), out_len)
+        return got["ttft_s"], got["e2e_s"], got["token_ids"]
+
+    for i, p in enumerate(prompts):
+        order = [(0, run_ours), (1, run_peer)][:: 1 if i % 2 == 0 else -1]
+        for side, run in order:
+            ttft, e2e, tokens = run(p)
+            if i == 0:
+                continue
+            raw = raws[side]
+            raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
+            raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
+            raw["token_ids"].append(list(tokens))
+        if i == 0:
+            before = llm.stats
+    ours, theirs = ({"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")}}
+                    for raw in raws)
+    ours["engine_stats"] = _stats_delta(llm.stats, before)
+    return ours, theirs
 
 
 def ours_batch(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
@@ -105,6 +142,16 @@ class HFRunner:
                 "batch_size": HF_BATCH, "batch_wall_s": walls}
 
 
+def gguf_of(model: str | None) -> Path:
+    """The GGUF file llama.cpp loads: the embedded default model's own, the file our engine
+    converts at start (both read the same weights)."""
+    if not model:
+        from backend.model.gguf_import import find_default_gguf
+        return find_default_gguf()
+    raise llamacpp_peer.LlamaCppUnavailable(
+        f"--compare llamacpp runs the default model (a GGUF), not {model}")
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -113,15 +160,21 @@ def _ratios(res: dict) -> list[dict]:
     # ratios only against what ran in this invocation (a constant from another machine, e.g.
     # a published vLLM-CPU figure, is not a measurement here)
     a, b, hf, fl = res["ours"]["a"], res["ours"]["b"], res.get("hf"), res["floor"]
+    lc = res.get("llamacpp")
     paired = res["ours"].get("a_paired")
     med = lambda r, k: r[k]["median"]  # noqa: E731
     return [
         bu.ratio_row("(a) e2e ours/HF", med(a, "e2e_s") / med(hf["a"], "e2e_s") if hf else None,
                      0.7, False),
         bu.ratio_row("(a) TTFT ours/floor", med(a, "ttft_s") / fl["a"]["ttft_s"], 1.5, False),
-        bu.ratio_row("(a) TPOT ours/floor", med(a, "tpot_s") / fl["a"]["tpot_s"], 1.3, False),
+        # the floor counts the weights as the step reads them (floors.step_weight_bytes)
+        bu.ratio_row("(a) TPOT ours/floor", med(a, "tpot_s") / fl["a"]["tpot_s"], 1.6, False),
         bu.ratio_row("(a) decode step / paired read", paired["ratio"]["median"] if paired
-                     else None, 1.3, False),
+                     else None, 1.6, False),
+        bu.ratio_row("(a) TTFT ours/llama.cpp", med(a, "ttft_s") / med(lc["a"], "ttft_s")
+                     if lc else None, 0.5, False),
+        bu.ratio_row("(a) TPOT ours/llama.cpp", med(a, "tpot_s") / med(lc["a"], "tpot_s")
+                     if lc else None, 0.7, False),
         bu.ratio_row("(b) output tok/s ours/HF",
                      b["output_tok_s"] / hf["b"]["output_tok_s"] if hf else None, 2.5, True),
     ]
@@ -134,6 +187,17 @@ def _paired_line(paired: dict | None) -> str:
     return (f"(a)'s decode steps, each right after a read of as many bytes (this VM's bandwidth "
             f"swings between consecutive reads; best-of-5 above is the top of it): step / read "
             f"{bu.fmt_spread(r, 1, 2)} over {r['n']} steps, reads at {bu.fmt_spread(g)} GB/s")
+
+
+def _llamacpp_lines(res: dict) -> list[str]:
+    lc = res.get("llamacpp")
+    if lc is None:
+        return []
+    info = res["info"]["llamacpp"]
+    n = res["sizes"]["a"][1]
+    return [f"llama.cpp: llama-cpp-python {info['version']} ({info['isa']}), the same GGUF, token "
+            f"ids and threads, rounds paired with ours; greedy tokens equal to ours before the "
+            f"first difference: {lc['greedy_agree_with_ours_a']} of {n}"]
 
 
 def report(res: dict) -> str:
@@ -149,6 +213,9 @@ def report(res: dict) -> str:
             rows_a.append([name] + [bu.fmt_spread(a[k], 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
             rows_b.append([name, bu.fmt_num(b["wall_s"], 2), bu.fmt_num(b["output_tok_s"]),
                            bu.fmt_num(b["total_tok_s"])])
+    if (lc := res.get("llamacpp")) is not None:
+        rows_a.append(["llama.cpp"] + [bu.fmt_spread(lc["a"][k], 1e3)
+                                       for k in ("ttft_s", "tpot_s", "e2e_s")])
     fa, fb = res["floor"]["a"], res["floor"]["b"]
     rows_a.append(["floor"] + [bu.fmt_num(fa[k] * 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
     rows_b.append(["floor", bu.fmt_num(fb["wall_s"], 2), bu.fmt_num(fb["output_tok_s"]),
@@ -158,8 +225,10 @@ def report(res: dict) -> str:
         bu.header_line(res["info"]),
         f"floors: GEMM {rates['matmul_shape']} {rates['matmul_gflops']:.1f} GFLOP/s, "
         f"read bandwidth {rates['read_bandwidth_gbs']:.1f} GB/s; a decode step reads "
-        f"{fa['decode_bytes_per_token'] / 1e6:.0f} MB at batch 1 (weights + mean context's K/V)",
+        f"{fa['decode_bytes_per_token'] / 1e6:.0f} MB at batch 1 (weights as read "
+        f"{res['ours']['step_weight_bytes']['total'] / 1e6:.0f} MB + mean context's K/V)",
         _paired_line(res["ours"].get("a_paired")),
+        *_llamacpp_lines(res),
         "",
         bu.table(f"(a) concurrency 1, {in_a} in / {out_a} out, {res['repeats']} repeats "
                  "(median [min-max])", ["", "TTFT ms", "TPOT ms", "e2e ms"], rows_a),
@@ -190,25 +259,43 @@ def main(args: argparse.Namespace) -> int:
     prompts_a = bu.make_prompts(args.repeats + 1, in_a, cfg.vocab_size, args.seed)
     prompts_b = bu.make_prompts(n_b, in_b, cfg.vocab_size, args.seed + 1)
 
+    compare = set(filter(None, (args.compare or "").split(",")))
+    peer = None
+    if "llamacpp" in compare:  # started first: a missing venv or GGUF fails before the long runs
+        peer = llamacpp_peer.LlamaCppPeer(gguf_of(args.model), args.threads, in_a + out_a + 16)
+        res["info"]["llamacpp"] = peer.info | {"isa": llamacpp_peer.isa_line(
+            peer.info["system_info"])}
+
     llm = LLM(model=model_dir, dtype=args.dtype, num_threads=args.threads)
     res["info"]["model_dir"] = str(llm.engine.model_dir)
     pad_id = llm.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else (cfg.eos_token_ids or (0,))[0]
-    res["ours"] = {"a": ours_single(llm, prompts_a, out_a), "b": ours_batch(llm, prompts_b, out_b),
-                   "engine_config": vars(llm.config), "engine_stats_total": llm.stats}
+    # the weights as a batch-1 step reads them (one rank: the bench runs TP1)
+    weights_read = floors.step_weight_bytes(llm.engine.runner.model)
+    if peer is not None:
+        single_a, theirs = paired_single(llm, peer, prompts_a, out_a)
+        peer.close()
+        res["llamacpp"] = {"a": theirs, "greedy_agree_with_ours_a": [
+            _common_prefix(x, y) for x, y in zip(single_a["raw"]["token_ids"],
+                                                 theirs["raw"]["token_ids"])]}
+    else:
+        single_a = ours_single(llm, prompts_a, out_a)
+    res["ours"] = {"a": single_a, "b": ours_batch(llm, prompts_b, out_b),
+                   "engine_config": vars(llm.config), "engine_stats_total": llm.stats,
+                   "step_weight_bytes": weights_read}
     # (a)'s decode steps again, each beside a read of its bytes right before it (floors.py)
-    res["ours"]["a_paired"] = floors.paired_steps(llm, prompts_a[0], out_a,
-                                                  cost.mean_decode_bytes(in_a, out_a))
+    step_bytes = floors.read_decode_bytes(weights_read["total"], cost, in_a + out_a / 2)
+    res["ours"]["a_paired"] = floors.paired_steps(llm, prompts_a[0], out_a, step_bytes)
     del llm
     gc.collect()  # free our weights and KV pool before transformers loads its copy
     rate_runs.append(floors.measure(cfg, dtype, in_a))
     rates = {**rate_runs[0], "runs": rate_runs,
              **{k: max(r[k] for r in rate_runs) for k in ("matmul_gflops", "read_bandwidth_gbs")}}
     res["floor"] = {"rates": rates, "cost": floors.cost_dict(cost),
-                    "a": floors.single_floor(cost, rates, in_a, out_a),
+                    "a": floors.single_floor(cost, rates, in_a, out_a, weights_read["total"]),
                     "b": floors.batch_floor(cost, rates, n_b, in_b, out_b)}
 
-    if args.compare == "hf":
+    if "hf" in compare:
         hf_dtype = getattr(torch, getattr(args, "hf_dtype", None) or args.dtype)
         res["info"]["hf_dtype"] = str(hf_dtype).removeprefix("torch.")
         hf = HFRunner(res["info"]["model_dir"], hf_dtype, pad_id)

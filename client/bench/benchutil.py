@@ -89,8 +89,12 @@ def ratio_lines(ratios: Sequence[dict]) -> str:
 
 
 def cpu_model() -> str:
+    """The model name, with family / model numbers: a VM may show only "AMD EPYC", and the
+    numbers tell its generations apart (family 25: Zen 3 (model 1) / Zen 4 (17); 26: Zen 5)."""
     from tpllm_kernels.cpu_ext import cpuinfo_field
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    family, model = cpuinfo_field("cpu family"), cpuinfo_field("model")
+    return f"{name} (family {family} model {model})" if family and model else name
 
 
 def cpu_isa_flags() -> list[str]:

@@ -2,9 +2,10 @@
 threads, and the model's FLOP / byte costs that turn them into per-workload lower bounds.
 
 Prefill is compute-bound (GEMM rate), single-sequence decode is bandwidth-bound (every weight is
-read once per step, and the sequence's cached K/V once: at 1,024 tokens of context SmolLM2's
-float32 K/V is 47 MB beside 538 MB of weights), batched decode is whichever of the two is slower
-per step.
+read once per step, and the sequence's cached K/V once), batched decode is whichever of the two
+is slower per step. A batch-1 step's weight bytes are counted as its kernels read them
+(step_weight_bytes: SmolLM2's Q4_1 / Q8_0 block copies and int8 head screen, ~112 MB, not its
+538 MB of float32); at 1,024 tokens of context its float32 K/V adds 47 MB.
 """
 from __future__ import annotations
 
@@ -71,6 +72,38 @@ class ModelCost:
         return self.decode_bytes(input_len + output_len / 2)
 
 
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def step_weight_bytes(model) -> dict[str, int]:
+    """The weight bytes a greedy batch-1 decode step of `model` (a loaded LlamaForCausalLM, one
+    rank) reads, as its kernels read them: a linear's exact block copy where it has one
+    (tpllm_kernels/cpu_blocks.py: codes and scales) else its weight; the lm_head's greedy screen
+    (its int8 copy, scales and bound factors: backend/model/greedy_head.py) where there is one,
+    else the head as its linear reads it. Norms and the rows the screen recomputes are left
+    out (under 1% for SmolLM2). {"layers", "lm_head", "total"}."""
+    def linear_bytes(weight) -> int:
+        copy = getattr(weight, "block_copy", None)
+        return _nbytes(*copy[1:]) if copy is not None else _nbytes(weight)
+
+    layers = 0
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            layers += linear_bytes(lin.weight) + _nbytes(getattr(lin, "bias", None))
+    head = model.lm_head
+    screen = getattr(head, "screen", None)
+    head_bytes = _nbytes(*screen.copies) if screen is not None else linear_bytes(head.weight)
+    return {"layers": layers, "lm_head": head_bytes, "total": layers + head_bytes}
+
+
+def read_decode_bytes(weight_bytes: int, cost: ModelCost, context: float) -> float:
+    """A batch-1 decode step's bytes as read: `weight_bytes` (step_weight_bytes) plus the
+    context's K/V in the cache's dtype."""
+    return weight_bytes + cost.kv_bytes_per_token * context
+
+
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> float:
     """Best-of-`runs` GFLOP/s of x[m,k] @ w[n,k]^T by the faster of the GEMMs the engine's
     linears may run on (torch's F.linear: MKL; oneDNN's linear), whichever the engine picked:
@@ -123,14 +156,19 @@ def measure(cfg: ModelConfig, dtype: torch.dtype, prefill_len: int) -> dict:
             "read_bandwidth_gbs": read_bandwidth_gbs()}
 
 
-def single_floor(cost: ModelCost, rates: dict, input_len: int, output_len: int) -> dict:
+def single_floor(cost: ModelCost, rates: dict, input_len: int, output_len: int,
+                 weight_bytes: int | None = None) -> dict:
     """Concurrency-1 floors: TTFT = prefill FLOPs / GEMM rate; TPOT = the bytes of a decode step
-    at the mean context (weights + K/V) / bandwidth."""
+    at the mean context / bandwidth: the weights as the step reads them (`weight_bytes`, from
+    step_weight_bytes) where given, else in the model's dtype, plus the K/V."""
     prefill_flops = cost.forward_flops(input_len, 0, 1)
     ttft = prefill_flops / (rates["matmul_gflops"] * 1e9)
-    step_bytes = cost.mean_decode_bytes(input_len, output_len)
+    context = input_len + output_len / 2
+    step_bytes = (read_decode_bytes(weight_bytes, cost, context) if weight_bytes is not None
+                  else cost.decode_bytes(context))
     tpot = step_bytes / (rates["read_bandwidth_gbs"] * 1e9)
     return {"prefill_flops": prefill_flops, "decode_bytes_per_token": step_bytes,
+            "weights_as_read": weight_bytes is not None,
             "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + (output_len - 1) * tpot}
 
 

@@ -1,0 +1,146 @@
+"""`python -m client bench step-parts`: where a batch-1 decode step's time goes.
+
+One engine (the default model, --dtype, TP1), one sequence decoding at --context tokens. Each
+round times, back to back and in a rotating order:
+  step       a whole decode step (engine.step(): scheduling, the fused C++ layer stack, the
+             greedy head, sampling, output);
+  gemv       every decoder linear of the step (qkv, o, gate_up, down of every layer) in layer
+             order, from the weights as the step reads them (the exact block copies);
+  attention  every layer's paged decode attention over the sequence's context;
+  head       the greedy lm_head (its int8 screen, then the few exact rows);
+and a read of as many bytes as the step reads (the kernels' read probe). The rest of the step
+(norms, rotary and KV writes, SiLU, the thread team's hand-offs, Python) is step minus the parts.
+Each part runs in a loop over all layers, so like the step it streams more bytes than the caches
+hold. Medians over --rounds rounds, with min-max; the CPU and its ISA head the report.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from backend import LLM, SamplingParams
+from client.bench import benchutil as bu
+from client.bench import floors
+
+PARTS = ("step", "gemv", "attention", "head", "read")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _parts(llm: LLM, context: int):
+    """The callables of each part, for a sequence at `context` tokens."""
+    from tpllm_kernels import cpu_ext, cpu_ops
+    ext = cpu_ext.load()
+    runner = llm.engine.runner
+    model = runner.model
+    cfg = model.cfg
+    x = torch.randn(1, cfg.hidden_size)
+    linears = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin, in_features in ((attn.qkv_proj, cfg.hidden_size),
+                                 (attn.o_proj, cfg.num_heads * cfg.head_dim),
+                                 (mlp.gate_up_proj, cfg.hidden_size),
+                                 (mlp.down_proj, cfg.intermediate_size)):
+            w = lin.weight
+            linears.append((torch.randn(1, in_features), w, torch.empty(1, w.shape[0])))
+
+    def gemv():
+        for xin, w, out in linears:
+            cpu_ops.linear_into(xin, w, out)
+
+    block = llm.config.block_size
+    blocks = (context + block - 1) // block
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    # scattered blocks, as a long-running cache hands them out
+    table = torch.randperm(num_blocks - 1)[:blocks].add_(1).unsqueeze(0).long()
+    lens = torch.tensor([context], dtype=torch.long)
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim)
+    kv_index = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)
+    scale = cfg.head_dim ** -0.5
+
+    def attention():
+        for k, v in runner.kv_caches:
+            ext.paged_decode_attention(q, k, v, table, lens, scale, kv_index, 0)
+
+    head = model.lm_head
+    xh = torch.randn(1, cfg.hidden_size)
+
+    def head_fn():
+        if head.screen is not None:
+            head.screen.best(xh, head.weight)
+        else:
+            head(xh)
+
+    return gemv, attention, head_fn, ext
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    info = bu.run_info(args.threads, args.dtype, args.model or "default")
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    engine = llm.engine
+    cfg = engine.runner.model.cfg
+    cost = floors.ModelCost.from_config(cfg, getattr(torch, args.dtype))
+    weights = floors.step_weight_bytes(engine.runner.model)
+    step_bytes = floors.read_decode_bytes(weights["total"], cost, args.context)
+    gemv, attention, head, ext = _parts(llm, args.context)
+    buf = torch.ones(int(step_bytes) // 64 * 16, dtype=torch.float32)
+    read = (lambda: ext.read_probe(buf)) if ext is not None else (lambda: buf.sum())
+
+    prompt = bu.make_prompts(1, args.context - 1, cfg.vocab_size, args.seed)[0]
+    engine.add_request("parts", prompt, SamplingParams(temperature=0, max_tokens=args.rounds + 8,
+                                                       ignore_eos=True))
+    while sum(len(o.token_ids) for o in engine.step()) == 0:  # the prompt's steps
+        pass
+    engine.step()  # one decode step uncounted
+    fns = {"gemv": gemv, "attention": attention, "head": head, "read": read}
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {p: [] for p in PARTS}
+    order = list(PARTS)
+    for r in range(args.rounds):
+        order = order[1:] + order[:1]
+        for part in order:
+            times[part].append(_timed(engine.step) if part == "step" else _timed(fns[part]))
+    engine.abort_request("parts") if hasattr(engine, "abort_request") else None
+
+    med = {p: statistics.median(t) for p, t in times.items()}
+    rest = med["step"] - med["gemv"] - med["attention"] - med["head"]
+    kv = cost.kv_bytes_per_token * args.context
+    rows = [
+        ["step", bu.fmt_spread(bu.summarize(times["step"]), 1e3, 2), "100%",
+         f"{step_bytes / 1e6:.0f}", f"{step_bytes / med['step'] / 1e9:.1f}"],
+        ["gemv (layers)", bu.fmt_spread(bu.summarize(times["gemv"]), 1e3, 2),
+         f"{med['gemv'] / med['step']:.0%}", f"{weights['layers'] / 1e6:.0f}",
+         f"{weights['layers'] / med['gemv'] / 1e9:.1f}"],
+        ["attention", bu.fmt_spread(bu.summarize(times["attention"]), 1e3, 2),
+         f"{med['attention'] / med['step']:.0%}", f"{kv / 1e6:.0f}",
+         f"{kv / med['attention'] / 1e9:.1f}"],
+        ["head (greedy)", bu.fmt_spread(bu.summarize(times["head"]), 1e3, 2),
+         f"{med['head'] / med['step']:.0%}", f"{weights['lm_head'] / 1e6:.0f}",
+         f"{weights['lm_head'] / med['head'] / 1e9:.1f}"],
+        ["rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2),
+         f"{rest / med['step']:.0%}", "", ""],
+        ["read of the step's bytes", bu.fmt_spread(bu.summarize(times["read"]), 1e3, 2),
+         f"{med['read'] / med['step']:.0%}", f"{step_bytes / 1e6:.0f}",
+         f"{step_bytes / med['read'] / 1e9:.1f}"],
+    ]
+    text = "\n".join([
+        bu.header_line(info), "",
+        bu.table(f"batch-1 decode step at {args.context} tokens of context, {args.rounds} rounds "
+                 "(median [min-max])", ["part", "ms", "of step", "MB read", "GB/s"], rows)])
+    print(text)
+    out = args.out or bu.default_out("step-parts")
+    path = bu.write_json(out, {"info": info, "config": dict(vars(args)), "times_s": times,
+                               "median_s": med, "rest_s": rest, "step_bytes": step_bytes,
+                               "weight_bytes": weights, "kv_bytes": kv, "report": text})
+    print(f"\nwrote {path}")
+    return 0
