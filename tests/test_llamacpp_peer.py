@@ -117,6 +117,9 @@ def test_paired_rounds_alternate_and_count_agreement() -> None:
     assert ours["tpot_s"]["median"] == pytest.approx(1.0)
     assert theirs["tpot_s"]["median"] == pytest.approx(2.0)
     assert ours["engine_stats"]["steps"] == 3  # the counted rounds only
+    ratio = theirs["ours_over_theirs"]  # per paired round
+    assert ratio["tpot_s"]["n"] == 3 and ratio["tpot_s"]["median"] == pytest.approx(0.5)
+    assert ratio["ttft_s"]["median"] == pytest.approx(0.5)
     agree = [bench_offline._common_prefix(x, y)
              for x, y in zip(ours["raw"]["token_ids"], theirs["raw"]["token_ids"])]
     assert agree == [2, 2, 2]

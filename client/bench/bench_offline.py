@@ -80,6 +80,9 @@ def paired_single(llm: LLM, peer, prompts: list[list[int]], out_len: int) -> tup
     ours, theirs = ({"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")}}
                     for raw in raws)
     ours["engine_stats"] = _stats_delta(llm.stats, before)
+    # the ratio of each paired round: both sides of it saw the same machine
+    theirs["ours_over_theirs"] = {k: bu.summarize([o / t for o, t in zip(raws[0][k], raws[1][k])])
+                                  for k in ("ttft_s", "tpot_s", "e2e_s")}
     return ours, theirs
 
 
@@ -161,6 +164,7 @@ def _ratios(res: dict) -> list[dict]:
     # a published vLLM-CPU figure, is not a measurement here)
     a, b, hf, fl = res["ours"]["a"], res["ours"]["b"], res.get("hf"), res["floor"]
     lc = res.get("llamacpp")
+    paired_lc = lambda k: lc["a"]["ours_over_theirs"][k]["median"] if lc else None  # noqa: E731
     paired = res["ours"].get("a_paired")
     med = lambda r, k: r[k]["median"]  # noqa: E731
     return [
@@ -171,10 +175,8 @@ def _ratios(res: dict) -> list[dict]:
         bu.ratio_row("(a) TPOT ours/floor", med(a, "tpot_s") / fl["a"]["tpot_s"], 1.6, False),
         bu.ratio_row("(a) decode step / paired read", paired["ratio"]["median"] if paired
                      else None, 1.6, False),
-        bu.ratio_row("(a) TTFT ours/llama.cpp", med(a, "ttft_s") / med(lc["a"], "ttft_s")
-                     if lc else None, 0.5, False),
-        bu.ratio_row("(a) TPOT ours/llama.cpp", med(a, "tpot_s") / med(lc["a"], "tpot_s")
-                     if lc else None, 0.7, False),
+        bu.ratio_row("(a) TTFT ours/llama.cpp", paired_lc("ttft_s"), 0.5, False),
+        bu.ratio_row("(a) TPOT ours/llama.cpp", paired_lc("tpot_s"), 0.7, False),
         bu.ratio_row("(b) output tok/s ours/HF",
                      b["output_tok_s"] / hf["b"]["output_tok_s"] if hf else None, 2.5, True),
     ]
@@ -191,13 +193,17 @@ def _paired_line(paired: dict | None) -> str:
 
 def _llamacpp_lines(res: dict) -> list[str]:
     lc = res.get("llamacpp")
+    paired_lc = lambda k: lc["a"]["ours_over_theirs"][k]["median"] if lc else None  # noqa: E731
     if lc is None:
         return []
     info = res["info"]["llamacpp"]
     n = res["sizes"]["a"][1]
     return [f"llama.cpp: llama-cpp-python {info['version']} ({info['isa']}), the same GGUF, token "
             f"ids and threads, rounds paired with ours; greedy tokens equal to ours before the "
-            f"first difference: {lc['greedy_agree_with_ours_a']} of {n}"]
+            f"first difference: {lc['greedy_agree_with_ours_a']} of {n}",
+            "ours / llama.cpp per paired round: " + ", ".join(
+                f"{k.removesuffix('_s')} {bu.fmt_spread(lc['a']['ours_over_theirs'][k], 1, 2)}"
+                for k in ("ttft_s", "tpot_s", "e2e_s"))]
 
 
 def report(res: dict) -> str:
