@@ -309,8 +309,11 @@ def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
                  v_cache: torch.Tensor, scale: float, kv_index: torch.Tensor | None,
                  o_weight: torch.Tensor, o_bias: torch.Tensor | None, norm2: torch.Tensor,
                  eps2: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_weight: torch.Tensor, down_bias: torch.Tensor | None):
-    """One layer's weights and caches, bound for decode_stack and the decode halves."""
+                 down_weight: torch.Tensor, down_bias: torch.Tensor | None,
+                 lora: list | None = None):
+    """One layer's weights and caches, bound for decode_stack and the decode halves; lora:
+    qkv's, o's, gate_up's and down's stacked adapters (LoraSlot.stacked: (a, bt, info)) or None
+    each, for steps with adapter rows (lora_delta_)."""
     if kv_index is None:
         kv_index = _uniform_kv_index(num_q, num_kv)
     # each weight's exact block copy where it has one (cpu_blocks.py): kind 4 or 8 (0: none)
@@ -320,49 +323,76 @@ def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
     return _ext.DecodeLayer(norm1, eps1, qkv_weight, qkv_bias, num_q, num_kv, k_cache, v_cache,
                             scale, kv_index, o_weight, o_bias, norm2, eps2, gate_up_weight,
                             gate_up_bias, down_weight, down_bias,
-                            [_COPY_BITS.get(c[0], 0) for c in copies], [t for c in copies for t in c[1:]])
+                            [_COPY_BITS.get(c[0], 0) for c in copies], [t for c in copies for t in c[1:]],
+                            [t for s in (lora or ()) for t in (s or (None, None, None))])
 
 
 def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
                  cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every bound layer in one call (one rank: no collectives between layers)."""
+                 batch: DecodeBatch, lora_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every bound layer in one call (one rank: no collectives between layers). lora_ids: each
+    row's LoRA adapter (0: none; int64), None when no row has one."""
     x, residual = _ext.decode_stack(layers, x, residual, add_residual, cos, sin, slot_mapping,
-                                    batch.block_tables, batch.context_lens)
+                                    batch.block_tables, batch.context_lens, lora_ids)
     return x, residual
 
 
 def decode_stack_tp(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
                     cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                    batch: DecodeBatch, start: int, collectives: tuple
+                    batch: DecodeBatch, start: int, collectives: tuple,
+                    lora_ids: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, int, bool, float]:
     """decode_stack for one tensor-parallel rank: layer halves [start, 2 * layers), each ending
     in its shared-memory all-reduce; collectives = (buffers, flags, rank, first seq, spins) from
-    ParallelContext.fused_stack. Returns (x, residual, halves run, arrived, seconds)."""
+    ParallelContext.fused_stack; lora_ids as decode_stack's. Returns (x, residual, halves run,
+    arrived, seconds)."""
     buffers, flags, rank, seq, spins = collectives
     return _ext.decode_stack_tp(layers, x, residual, add_residual, cos, sin, slot_mapping,
                                 batch.block_tables, batch.context_lens, start, list(buffers),
-                                flags, rank, seq, spins)
+                                flags, rank, seq, spins, lora_ids)
 
 
 def decode_attention_half(layer, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
                           cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                          batch: DecodeBatch, collective: tuple | None = None
+                          batch: DecodeBatch, collective: tuple | None = None,
+                          lora_ids: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
     """A bound layer's [add + RMSNorm], qkv, rotary + KV write, attention and o_proj's partial
     sum (no bias: it follows the all-reduce); with a shared-memory `collective` (see
-    ShmCommunicator.fused_collective) also the all-reduce. Returns (out, residual, arrived,
-    seconds in the collective); out is this rank's partial unless all ranks arrived."""
+    ShmCommunicator.fused_collective) also the all-reduce; lora_ids as decode_stack's. Returns
+    (out, residual, arrived, seconds in the collective); out is this rank's partial unless all
+    ranks arrived."""
     return _ext.decode_attention_half(layer, x, residual, add_residual, cos, sin, slot_mapping,
-                                      batch.block_tables, batch.context_lens, collective)
+                                      batch.block_tables, batch.context_lens, collective,
+                                      lora_ids)
 
 
 def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor,
-                    collective: tuple | None = None
+                    collective: tuple | None = None, lora_ids: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
     """A bound layer's add + RMSNorm, gate_up, silu * up and down_proj's partial sum (no bias),
-    [and the all-reduce]; returns as decode_attention_half."""
-    return _ext.decode_mlp_half(layer, x, residual, collective)
+    [and the all-reduce], with LoRA deltas as decode_attention_half's; returns as it."""
+    return _ext.decode_mlp_half(layer, x, residual, collective, lora_ids)
+
+
+# A float32 decode step with LoRA adapter rows stays on the fused path: the bound layers carry
+# each projection's stacked adapters and the step passes each row's adapter (lora_delta_). The
+# model checks this flag.
+FUSED_LORA = True
+
+
+def lora_delta_(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                info: torch.Tensor, ids: torch.Tensor) -> bool:
+    """y[m] += its adapter's delta of x[m] for each row m with one (ids[m] > 0), in place, from a
+    linear's stacked adapters (lora_layers.LoraSlot.stacked; csrc/lora_delta.cpp), exactly as
+    the fused decode layers add them. False (y untouched) where it does not apply: beyond the
+    float32 GEMV's rows (a prefill's GEMMs: the caller groups rows by adapter), other storage,
+    non-contiguous tensors."""
+    if not (_small_m_f32(x, a) and y.dtype == torch.float32 and y.is_contiguous()):
+        return False
+    _ext.lora_delta_(x, y, a, bt, info, ids)
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -65,10 +65,12 @@ class DecoderLayer(DirectModule):
         return self.mlp(x), residual
 
     def forward_decode(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       meta: AttentionMetadata, bound) -> tuple[torch.Tensor, torch.Tensor]:
+                       meta: AttentionMetadata, bound, lora_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() for a decode-only step with ops.FUSED_DECODE and this layer bound
         (bind_decode): each half of the layer is one kernel call, the collectives stay between
-        them. Same arithmetic, same bits."""
+        them. Same arithmetic, same bits. lora_ids: each row's LoRA adapter (0: none), None when
+        no row has one."""
         ops, o_proj, down_proj = self.ops, self.self_attn.o_proj, self.mlp.down_proj
         add = residual is not None
         if not add:
@@ -76,21 +78,26 @@ class DecoderLayer(DirectModule):
         # with shared memory, each half ends with its all-reduce (no return to Python between)
         coll = o_proj.ctx.fused_collective(x.numel(), x.dtype)
         y, residual, arrived, s = ops.decode_attention_half(
-            bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode, coll)
+            bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode, coll,
+            lora_ids)
         x = o_proj.finish(y, arrived, s, coll)
         coll = down_proj.ctx.fused_collective(x.numel(), x.dtype)
-        y, residual, arrived, s = ops.decode_mlp_half(bound, x, residual, coll)
+        y, residual, arrived, s = ops.decode_mlp_half(bound, x, residual, coll, lora_ids)
         return down_proj.finish(y, arrived, s, coll), residual
 
     def bind_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        """This layer's weights and KV cache bound for the fused decode kernels."""
+        """This layer's weights, KV cache and LoRA adapters (where attached: each projection's
+        stacked ones, lora_layers.LoraSlot) bound for the fused decode kernels."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        lora = [None if m.lora is None else m.lora.stacked for m in linears]
         return self.ops.decode_layer(
             norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_q,
             attn.num_kv, kv_cache[0], kv_cache[1], attn.scale, attn.kv_index, attn.o_proj.weight,
             attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+            **({"lora": lora} if any(s is not None for s in lora) else {}))
 
 
 class LlamaForCausalLM(DirectModule):
@@ -114,8 +121,11 @@ class LlamaForCausalLM(DirectModule):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied,
                                       ops=ops)
-        # LoRA adapters (lora_layers.attach_adapters): the step's row groups, read by the slots
+        # LoRA adapters (lora_layers.attach_adapters): the step's adapter rows, read by the slots
         self.lora_rows = None
+        # steps with adapter rows that ran on the fused decode kernels (tests check LoRA decode
+        # steps do not fall back to the modular path)
+        self.fused_lora_steps = 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -128,28 +138,24 @@ class LlamaForCausalLM(DirectModule):
         argmax_only: every such row only takes its argmax; with greedy screening on
         (lm_head.enable_greedy_screening) a row's logits are then its exact maximum at its
         argmax and -inf elsewhere (backend/model/greedy_head.py).
-        lora: the step's LoRA row groups (lora_layers.row_groups); such a step runs the modular
-        path (the fused kernels have no place for the deltas), a step without them as before."""
+        lora: the step's LoRA adapter rows (lora_layers.row_groups: StepLora); a decode step
+        with them runs fused where the kernels add the deltas (ops.FUSED_LORA: float32), else the
+        modular path."""
         if self.lora_rows is not None:
-            self.lora_rows.groups = lora or ()
+            self.lora_rows.set(lora)
         elif lora:
             raise ValueError("this model has no LoRA adapters attached")
         x = self.embed_tokens(input_ids)
         if (begin := getattr(self.ops, "begin_forward", None)) is not None:
             begin(x.shape[0], x.dtype)  # where this pass's kernel loops run (CPU)
         residual = None
-        if lora or not self._fused_step(x, meta):
+        ids = lora.ids if lora else None
+        if not self._fused_step(x, meta, bool(lora)):
             for layer, kv in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, meta, kv)
-        elif self.fused_stack:
-            residual, x = x, self.layers[0].input_layernorm(x)
-            x, residual = self.ops.decode_stack(self._bound_layers(kv_caches), x, residual, False,
-                                                meta.cos, meta.sin, meta.slot_mapping, meta.decode)
-        elif (stacked := self._tp_decode_stack(x, meta, self._bound_layers(kv_caches))) is not None:
-            x, residual = stacked
         else:
-            for layer, bound in zip(self.layers, self._bound_layers(kv_caches)):
-                x, residual = layer.forward_decode(x, residual, meta, bound)
+            self.fused_lora_steps += ids is not None
+            x, residual = self._fused_layers(x, meta, kv_caches, ids)
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits.
@@ -159,8 +165,27 @@ class LlamaForCausalLM(DirectModule):
             return self.lm_head.argmax_logits(x)
         return self.lm_head(x)
 
-    def _tp_decode_stack(self, x: torch.Tensor, meta: AttentionMetadata,
-                         bound: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _fused_layers(self, x: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      lora_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of a decode-only step on the fused kernels: all in one call (one
+        rank), in one call per rank with the all-reduces inside (TP over shared memory), or two
+        calls per layer."""
+        bound = self._bound_layers(kv_caches)
+        if self.fused_stack:
+            residual, x = x, self.layers[0].input_layernorm(x)
+            return self.ops.decode_stack(bound, x, residual, False, meta.cos, meta.sin,
+                                         meta.slot_mapping, meta.decode, lora_ids)
+        if (stacked := self._tp_decode_stack(x, meta, bound, lora_ids)) is not None:
+            return stacked
+        residual = None
+        for layer, b in zip(self.layers, bound):
+            x, residual = layer.forward_decode(x, residual, meta, b, lora_ids)
+        return x, residual
+
+    def _tp_decode_stack(self, x: torch.Tensor, meta: AttentionMetadata, bound: list,
+                         lora_ids: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A tensor-parallel rank's decode step through every layer in C++ with the all-reduces
         inside (ops.decode_stack_tp), resumed after any all-reduce a peer was late for; None when
         the communicator cannot (not shared memory, batch over the slot)."""
@@ -174,7 +199,7 @@ class LlamaForCausalLM(DirectModule):
         while start < 2 * len(bound):
             x, residual, ran, arrived, seconds = stack(
                 bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode,
-                start, coll)
+                start, coll, lora_ids)
             x = ctx.stack_done(x, ran, arrived, seconds)
             start, add = start + ran, True
             if not arrived:  # the late half's bias, after its sum (as RowParallelLinear.finish)
@@ -203,15 +228,22 @@ class LlamaForCausalLM(DirectModule):
         kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         return sum(keep(m.weight) for m in self.modules() if isinstance(m, kinds))
 
+    def rebind_decode(self) -> None:
+        """Bind the fused decode layers again at the next step (their LoRA adapters changed)."""
+        self._bound = None
+
     def _bound_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
         key = kv_caches[0][0].data_ptr()
         if self._bound is None or self._bound[0] != key:
             self._bound = (key, [layer.bind_decode(kv) for layer, kv in zip(self.layers, kv_caches)])
         return self._bound[1]
 
-    def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata, lora: bool = False) -> bool:
         if not (self.fused_decode and not meta.prefills and meta.decode is not None):
             return False
+        if lora:  # the deltas' kernel is float32's (lora_delta_), at the GEMV's rows
+            return (getattr(self.ops, "FUSED_LORA", False) and x.dtype == torch.float32
+                    and x.shape[0] <= self.ops.SMALL_M)
         if x.dtype == torch.float32:
             return x.shape[0] <= self.ops.SMALL_M
         # bf16: one rank (the collectives inside the fused stack are float32's), the rows the

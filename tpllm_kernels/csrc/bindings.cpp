@@ -19,6 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     small_m_linear_q4_into(x, q, dm, bias, y);
   });
   m.def("block_copy_max_rows", &block_copy_max_rows);
+  m.def("lora_delta_", [](torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt,
+                          torch::Tensor info, torch::Tensor ids) {
+    lora_delta_into(x, y, a, bt, info, ids);
+  });
   m.def("small_m_linear_q8_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                      c10::optional<torch::Tensor> bias, torch::Tensor y) {
     small_m_linear_q8_into(x, q, scales, bias, y);

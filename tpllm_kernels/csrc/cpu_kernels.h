@@ -1,7 +1,7 @@
 // The tensor-level CPU kernels the Python module exposes (bindings.cpp), for other translation
 // units that compose them (decode_layer.cpp). Definitions: decode_attention.cpp,
 // elementwise.cpp, shm_collectives.cpp, cpu_gemv.cpp, cpu_gemv_bf16.cpp, cpu_gemv_blocks.cpp,
-// prefill_attention.cpp. Only ATen's Tensor here, not <torch/extension.h>: each translation unit
+// lora_delta.cpp, prefill_attention.cpp. Only ATen's Tensor here, not <torch/extension.h>: each translation unit
 // that includes the latter costs ~15-30 s of the kernel build, so only those that bind Python
 // types (bindings.cpp, decode_layer.cpp, thread_team.cpp) do.
 #pragma once
@@ -34,6 +34,10 @@ int64_t block_copy_max_rows();  // beyond them the weight itself is read
 void small_m_linear_q8_into(const at::Tensor& x, const at::Tensor& q,
                             const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
                             at::Tensor& y);
+// y[m] += B[a] @ (A[a] @ x[m]) for each row m with adapter a = ids[m] (1-based, 0: none), from
+// a linear's stacked adapter weights (lora_delta.cpp says how they are laid out)
+void lora_delta_into(const at::Tensor& x, at::Tensor& y, const at::Tensor& a,
+                     const at::Tensor& bt, const at::Tensor& info, const at::Tensor& ids);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,

@@ -6,7 +6,10 @@
 // Why: the same kernels called one by one from Python cost ~10 Python-level calls per layer,
 // and each one, with the caches just flushed by the weight stream, cost about as much again as
 // its own work for one token. The arithmetic is exactly the modular path's:
-// the same kernels in the same order, so results are bit-identical to it.
+// the same kernels in the same order, so results are bit-identical to it. That includes LoRA
+// adapters: a step with adapter rows passes each row's adapter id, and every projection an
+// adapter targets adds its rows' deltas (lora_delta.cpp, as the modular LoraSlot does) before
+// its bias-free partial sum goes to the collective.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
@@ -42,6 +45,19 @@ void linear_into(const torch::Tensor& x, const Weight& weight,
     small_m_linear_into(x, weight.w, bias, y);
 }
 
+// A linear's LoRA adapters, all stacked (lora_delta.cpp): A, B transposed, the layout
+struct Lora {
+  torch::Tensor a, bt, info;
+};
+
+// linear_into, then (a step with adapter rows: ids) each such row's adapter delta
+void project(const torch::Tensor& x, const Weight& weight,
+             const c10::optional<torch::Tensor>& bias, const c10::optional<Lora>& lora,
+             const c10::optional<torch::Tensor>& ids, torch::Tensor& y) {
+  linear_into(x, weight, bias, y);
+  if (lora.has_value() && ids.has_value()) lora_delta_into(x, y, lora->a, lora->bt, lora->info, *ids);
+}
+
 // A decode step's intermediates for B rows, allocated once per call of a whole stack instead of
 // in every layer (an allocation there is slow: its code gone cold after the GEMVs). q and
 // attn2d are views made once too. Layers of one model share the shapes.
@@ -75,6 +91,7 @@ struct DecodeLayer {
   c10::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
   double eps1, eps2, scale;
   int64_t Hq, Hkv;
+  c10::optional<Lora> qkv_l, o_l, gate_up_l, down_l;  // where an adapter targets the projection
 
   Workspace workspace(const torch::Tensor& x, bool attention = true, bool mlp = true) const {
     return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.rows(), o_w.rows(), gate_up_w.rows(),
@@ -84,29 +101,33 @@ struct DecodeLayer {
 
 // [residual += x; x = rms_norm(residual)] (or x already normed: add_residual false), qkv
 // projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
-// without o's bias) into the workspace. Returns {partial o output, residual}.
+// without o's bias) into the workspace, each projection with its rows' LoRA deltas (lora_ids:
+// each row's adapter, 0 none; absent: no row has one). Returns {partial o output, residual}.
 std::vector<torch::Tensor> decode_attention_half(
     const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-    const torch::Tensor& block_tables, const torch::Tensor& context_lens, Workspace& ws) {
+    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+    const c10::optional<torch::Tensor>& lora_ids, Workspace& ws) {
   if (add_residual) add_rms_norm_(x, residual, l.norm1, l.eps1);
-  linear_into(x, l.qkv_w, l.qkv_b, ws.qkv);
+  project(x, l.qkv_w, l.qkv_b, l.qkv_l, lora_ids, ws.qkv);
   rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
   paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens, l.scale,
                               l.kv_index, 0, ws.attn);
-  linear_into(ws.attn2d, l.o_w, c10::nullopt, ws.o);
+  project(ws.attn2d, l.o_w, c10::nullopt, l.o_l, lora_ids, ws.o);
   return {ws.o, residual};
 }
 
 // [residual += x; x = rms_norm(residual)], gate/up projection, silu * up, down projection (this
-// rank's partial sum, without down's bias) into the workspace. Returns {partial down output,
-// residual}.
+// rank's partial sum, without down's bias) into the workspace, with LoRA deltas as the attention
+// half's. Returns {partial down output, residual}.
 std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x,
-                                           torch::Tensor residual, Workspace& ws) {
+                                           torch::Tensor residual,
+                                           const c10::optional<torch::Tensor>& lora_ids,
+                                           Workspace& ws) {
   add_rms_norm_(x, residual, l.norm2, l.eps2);
-  linear_into(x, l.gate_up_w, l.gate_up_b, ws.gate_up);
+  project(x, l.gate_up_w, l.gate_up_b, l.gate_up_l, lora_ids, ws.gate_up);
   silu_mul_into(ws.gate_up, ws.h);
-  linear_into(ws.h, l.down_w, c10::nullopt, ws.down);
+  project(ws.h, l.down_w, c10::nullopt, l.down_l, lora_ids, ws.down);
   return {ws.down, residual};
 }
 
@@ -116,18 +137,20 @@ std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x
 // layers (there is no collective to wait for). x is the first layer's input, already normed
 // when `add_residual` is false (residual then holds the un-normed input). Returns {x, residual}
 // after the last layer, bit-identical to calling the halves with the biases added in between.
+// lora_ids: each row's LoRA adapter (0: none), absent when no row has one.
 std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, torch::Tensor x,
                                         torch::Tensor residual, bool add_residual,
                                         torch::Tensor cos, torch::Tensor sin,
                                         torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                        torch::Tensor context_lens) {
+                                        torch::Tensor context_lens,
+                                        c10::optional<torch::Tensor> lora_ids) {
   if (layers.empty()) return {x, residual};
   Workspace ws = layers[0].workspace(x);
   for (const auto& l : layers) {
     auto a = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
-                                   block_tables, context_lens, ws);
+                                   block_tables, context_lens, lora_ids, ws);
     if (l.o_b.has_value()) a[0].add_(*l.o_b);
-    auto m = decode_mlp_half(l, a[0], a[1], ws);
+    auto m = decode_mlp_half(l, a[0], a[1], lora_ids, ws);
     if (l.down_b.has_value()) m[0].add_(*l.down_b);
     x = m[0], residual = m[1], add_residual = true;
   }
@@ -163,7 +186,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
     bool add_residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor context_lens, int64_t start,
     const std::vector<torch::Tensor>& buffers, torch::Tensor flags, int64_t rank, int64_t seq0,
-    int64_t spins) {
+    int64_t spins, c10::optional<torch::Tensor> lora_ids) {
   TORCH_CHECK(buffers.size() == 2, "decode_stack_tp: two collective buffers");
   const int64_t halves = 2 * static_cast<int64_t>(layers.size());
   double seconds = 0.0;
@@ -173,8 +196,9 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
     const DecodeLayer& l = layers[i / 2];
     const bool attention = i % 2 == 0;
     auto half = attention ? decode_attention_half(l, x, residual, add_residual, cos, sin,
-                                                  slot_mapping, block_tables, context_lens, ws)
-                          : decode_mlp_half(l, x, residual, ws);
+                                                  slot_mapping, block_tables, context_lens,
+                                                  lora_ids, ws)
+                          : decode_mlp_half(l, x, residual, lora_ids, ws);
     const int64_t seq = seq0 + (i - start);
     auto [out, res, arrived, dt] =
         collect(half, ShmCollective{buffers[seq & 1], flags, rank, seq, spins});
@@ -198,19 +222,29 @@ void bind_decode_layer(pybind11::module& m) {
                        c10::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
                        c10::optional<torch::Tensor> down_b,
                        std::vector<int64_t> bits,
-                       std::vector<c10::optional<torch::Tensor>> copies) {
+                       std::vector<c10::optional<torch::Tensor>> copies,
+                       std::vector<c10::optional<torch::Tensor>> lora) {
         // the block copies of qkv, o, gate_up and down: bits 4, 8 or 0 (none) and their
         // (codes, scales) pairs
         TORCH_CHECK(bits.size() == 4 && copies.size() == 8,
                     "DecodeLayer: 4 copy kinds and 8 tensors");
+        // their LoRA adapters, stacked: (a, bt, info) each, or none (an empty list: no adapters)
+        TORCH_CHECK(lora.empty() || lora.size() == 12, "DecodeLayer: 4 LoRA triples or none");
         auto weight = [&](torch::Tensor w, int i) {
           const bool both = copies[2 * i].has_value() && copies[2 * i + 1].has_value();
           TORCH_CHECK(bits[i] == 0 || both, "DecodeLayer: a block copy without its tensors");
           return Weight{w, bits[i], copies[2 * i], copies[2 * i + 1]};
         };
+        auto adapters = [&](int i) -> c10::optional<Lora> {
+          if (lora.empty() || !lora[3 * i].has_value()) return c10::nullopt;
+          TORCH_CHECK(lora[3 * i + 1].has_value() && lora[3 * i + 2].has_value(),
+                      "DecodeLayer: LoRA a without its bt and info");
+          return Lora{*lora[3 * i], *lora[3 * i + 1], *lora[3 * i + 2]};
+        };
         return DecodeLayer{norm1, norm2, k_cache, v_cache, kv_index, weight(qkv_w, 0),
                            weight(o_w, 1), weight(gate_up_w, 2), weight(down_w, 3), qkv_b, o_b,
-                           gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv};
+                           gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv, adapters(0),
+                           adapters(1), adapters(2), adapters(3)};
       }));
   // Without the GIL: a decode step spends nearly all its time in here, and the serving process
   // has other Python threads (the Triton adapter's response thread) that need not wait for it.
@@ -227,16 +261,17 @@ void bind_decode_layer(pybind11::module& m) {
         [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
            torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
            torch::Tensor block_tables, torch::Tensor context_lens,
-           c10::optional<ShmCollective> coll) {
+           c10::optional<ShmCollective> coll, c10::optional<torch::Tensor> lora_ids) {
           Workspace ws = l.workspace(x, true, false);
           auto r = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
-                                         block_tables, context_lens, ws);
+                                         block_tables, context_lens, lora_ids, ws);
           return collect(r, coll);
         });
   m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual,
-                              c10::optional<ShmCollective> coll) {
+                              c10::optional<ShmCollective> coll,
+                              c10::optional<torch::Tensor> lora_ids) {
     Workspace ws = l.workspace(x, false, true);
-    auto r = decode_mlp_half(l, x, residual, ws);
+    auto r = decode_mlp_half(l, x, residual, lora_ids, ws);
     return collect(r, coll);
   });
 }
