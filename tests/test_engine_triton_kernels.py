@@ -128,3 +128,31 @@ def test_model_logits_triton_match_torch(tiny_llama, monkeypatch):
     err_torch, err_triton = _rel(ref[torch.bfloat16], exact), _rel(got[torch.bfloat16], exact)
     assert err_triton <= 1.5 * err_torch + 1e-3, \
         f"bf16 relative error vs float32: Triton {err_triton:.2e}, torch {err_torch:.2e}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the engine runs on CPU; on GPU see the model test")
+def test_lora_rows_on_the_triton_kernels_match_torch_path(tiny_llama, tmp_path, monkeypatch):
+    """The GPU path's kernels (here in the interpreter) with LoRA rows of two adapters and none
+    in one batch: the same greedy tokens as the torch path."""
+    pytest.importorskip("peft")
+    from tests.lora_adapters import make_adapter
+    adapters = {"a": str(make_adapter(tiny_llama, tmp_path / "a", r=4, alpha=8, seed=1)),
+                "b": str(make_adapter(tiny_llama, tmp_path / "b", r=2, alpha=4, seed=2,
+                                      targets=["q_proj", "down_proj"]))}
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 13, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, lora_name=name)
+              for name in ("a", None, "b")]
+    kw = dict(model=str(tiny_llama), num_kv_blocks=48, block_size=4, max_num_batched_tokens=16,
+              enable_lora=True, max_lora_rank=8, lora_modules=adapters)
+    monkeypatch.setenv(KERNELS_ENV, "torch")
+    with LLM(**kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+        base = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True))]
+    assert expected != base  # the adapters change the output (else this proves nothing)
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    with LLM(**kw) as llm:
+        assert llm.engine.runner.model.ops is triton_ops
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
