@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "cpu_kernels.h"
+#include "small_m_gemm.h"
 #include "thread_team.h"
 #include "vec.h"
 
@@ -171,11 +172,24 @@ void linear_into(const char* name, const at::Tensor& x, const at::Tensor& q,
   constexpr int64_t kRows = 4;
   const int64_t tiles = (N + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kRows * (bytes + 4 * scales)));
+  // Each tile first asks for the codes kPrefetchAhead bytes on (and the scales as far on in
+  // rows), into L2. Without it the rebuild's instructions fill the out-of-order window and the
+  // loads wait on DRAM: one input row's GEMVs read the copies at a third of the bandwidth a
+  // plain read reaches (docs/decisions.md, "The block-copy GEMV prefetches").
+  const char* q_end = reinterpret_cast<const char*>(qp + N * bytes);
+  const char* s_end = reinterpret_cast<const char*>(sp + N * scales);
+  constexpr int64_t kAhead = small_m::kPrefetchAhead;
+  const int64_t s_ahead = kAhead / bytes * scales * static_cast<int64_t>(sizeof(float));
   team::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
       const uint8_t* qn = qp + n0 * bytes;
       const float* sn = sp + n0 * scales;
+      const char* pq = reinterpret_cast<const char*>(qn) + kAhead;
+      if (pq < q_end) small_m::prefetch_l2(pq, std::min<int64_t>(rows * bytes, q_end - pq));
+      const char* ps = reinterpret_cast<const char*>(sn) + s_ahead;
+      if (ps < s_end)
+        small_m::prefetch_l2(ps, std::min<int64_t>(rows * scales * 4, s_end - ps));
       if (rows == kRows && M > inputs<kRows>() && inputs<2>() > inputs<kRows>()) {
         for (int64_t r = 0; r < kRows; r += 2)
           rows_by_inputs<Codes, 2>(qn + r * bytes, sn + r * scales, bytes, scales, xp, M, K,
