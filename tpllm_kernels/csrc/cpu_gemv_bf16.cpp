@@ -315,11 +315,19 @@ std::vector<at::Tensor> greedy_argmax_screened_q8(at::Tensor x, at::Tensor weigh
   // chunk of >= ~64 KB; up to kInputs inputs per pass over the row (more read it again from
   // L1 and widen its int8 again): kQ8ScreenInputs
   constexpr int kInputs = kQ8ScreenInputs;
+  // each row first asks for the one small_m::kPrefetchAhead bytes on (and its scales), into L2,
+  // as the block-copy GEMV does: the widening and FMAs otherwise keep the loads waiting
+  const int64_t ahead = std::max<int64_t>(1, small_m::kPrefetchAhead / K);
   team::parallel_for(0, V, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + ahead < V) {
+        small_m::prefetch_l2(qp + (n + ahead) * K, K);
+        small_m::prefetch_l2(sp + (n + ahead) * G, G * static_cast<int64_t>(sizeof(float)));
+      }
       for (int64_t m0 = 0; m0 < B; m0 += kInputs)
         q8_screen_rows<kInputs>(static_cast<int>(std::min<int64_t>(kInputs, B - m0)),
                                 qp + n * K, sp + n * G, xp + m0 * K, K, ap + m0 * V + n, V);
+    }
   });
 #endif
   if (!bf16_head)
