@@ -193,7 +193,6 @@ def _paired_line(paired: dict | None) -> str:
 
 def _llamacpp_lines(res: dict) -> list[str]:
     lc = res.get("llamacpp")
-    paired_lc = lambda k: lc["a"]["ours_over_theirs"][k]["median"] if lc else None  # noqa: E731
     if lc is None:
         return []
     info = res["info"]["llamacpp"]
@@ -279,8 +278,10 @@ def main(args: argparse.Namespace) -> int:
     # the weights as a batch-1 step reads them (one rank: the bench runs TP1)
     weights_read = floors.step_weight_bytes(llm.engine.runner.model)
     if peer is not None:
-        single_a, theirs = paired_single(llm, peer, prompts_a, out_a)
-        peer.close()
+        try:
+            single_a, theirs = paired_single(llm, peer, prompts_a, out_a)
+        finally:
+            peer.close()
         res["llamacpp"] = {"a": theirs, "greedy_agree_with_ours_a": [
             _common_prefix(x, y) for x, y in zip(single_a["raw"]["token_ids"],
                                                  theirs["raw"]["token_ids"])]}
