@@ -125,3 +125,13 @@ def test_the_greedy_screen_shares_an_exact_int8_copy():
     tokens, logits, _ = screen.screen(x, head)
     assert torch.equal(tokens, full.argmax(dim=1))
     assert _same_bits(logits, full.gather(1, tokens[:, None])[:, 0])
+
+
+def test_the_block_gemv_refuses_an_empty_row():
+    """K = 0 is a clear error, not a division by zero in the kernel."""
+    from tpllm_kernels import cpu_ops
+    if not cpu_ops.AVAILABLE or cpu_ops.keep_block_copy is None:
+        no_cpu_kernels("no block-copy GEMV without the C++ kernels")
+    with pytest.raises(RuntimeError, match="positive multiple of 32"):
+        cpu_ops._ext.small_m_linear_q4_into(torch.zeros(1, 0), torch.zeros(4, 0, dtype=torch.uint8),
+                                            torch.zeros(4, 0), None, torch.empty(1, 4))

@@ -154,9 +154,10 @@ void linear_into(const char* name, const at::Tensor& x, const at::Tensor& q,
               ": x [M, K] contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const int64_t bytes = K / kBlock * Codes::kBytes, scales = K / kBlock * Codes::kScales;
-  TORCH_CHECK(K % kBlock == 0 && q.dim() == 2 && q.size(1) == bytes && q.element_size() == 1 &&
-                  q.is_contiguous(), name, ": codes [N, K / 32 * ", Codes::kBytes,
-              "] bytes, K a multiple of 32");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && q.dim() == 2 && q.size(1) == bytes &&
+                  q.element_size() == 1 && q.is_contiguous(),
+              name, ": codes [N, K / 32 * ", Codes::kBytes,
+              "] bytes, K a positive multiple of 32");
   TORCH_CHECK(s.size(0) == N && s.numel() == N * scales && s.scalar_type() == at::kFloat &&
                   s.is_contiguous(), name, ": scales [N, K / 32 * ", Codes::kScales, "] float32");
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == M &&
@@ -175,11 +176,13 @@ void linear_into(const char* name, const at::Tensor& x, const at::Tensor& q,
   // Each tile first asks for the codes kPrefetchAhead bytes on (and the scales as far on in
   // rows), into L2. Without it the rebuild's instructions fill the out-of-order window and the
   // loads wait on DRAM: one input row's GEMVs read the copies at a third of the bandwidth a
-  // plain read reaches (docs/decisions.md, "The block-copy GEMV prefetches").
+  // plain read reaches (docs/decisions.md, "The block-copy GEMV and the int8 head screen
+  // prefetch").
   const char* q_end = reinterpret_cast<const char*>(qp + N * bytes);
   const char* s_end = reinterpret_cast<const char*>(sp + N * scales);
   constexpr int64_t kAhead = small_m::kPrefetchAhead;
-  const int64_t s_ahead = kAhead / bytes * scales * static_cast<int64_t>(sizeof(float));
+  const int64_t s_ahead =
+      kAhead / std::max<int64_t>(bytes, 1) * scales * static_cast<int64_t>(sizeof(float));
   team::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
