@@ -96,8 +96,7 @@ class DecoderLayer(DirectModule):
             norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_q,
             attn.num_kv, kv_cache[0], kv_cache[1], attn.scale, attn.kv_index, attn.o_proj.weight,
             attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-            **({"lora": lora} if any(s is not None for s in lora) else {}))
+            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, lora)
 
 
 class LlamaForCausalLM(DirectModule):

@@ -28,10 +28,28 @@ def _stats_delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
 
 
+KEYS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+def _new_raw() -> dict[str, list]:
+    return {k: [] for k in (*KEYS, "token_ids")}
+
+
+def _record(raw: dict[str, list], ttft: float, e2e: float, tokens, out_len: int) -> None:
+    """One counted request of (a): TPOT is the time after the first token over the rest."""
+    raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
+    raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
+    raw["token_ids"].append(list(tokens))
+
+
+def _summary(raw: dict[str, list]) -> dict:
+    return {"raw": raw, **{k: bu.summarize(raw[k]) for k in KEYS}}
+
+
 def ours_single(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
     """prompts[0] is the warm-up; each later prompt is one counted repeat."""
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    raw: dict[str, list] = {"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []}
+    raw = _new_raw()
     before = llm.stats
     for i, p in enumerate(prompts):
         out = llm.generate([p], sp)[0]
@@ -39,12 +57,8 @@ def ours_single(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
         if i == 0:
             before = llm.stats  # engine stats of the counted repeats only
             continue
-        ttft, e2e = out.metrics["ttft_s"], out.metrics["e2e_s"]
-        raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
-        raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
-        raw["token_ids"].append(out.token_ids)
-    return {"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")},
-            "engine_stats": _stats_delta(llm.stats, before)}
+        _record(raw, out.metrics["ttft_s"], out.metrics["e2e_s"], out.token_ids, out_len)
+    return {**_summary(raw), "engine_stats": _stats_delta(llm.stats, before)}
 
 
 def paired_single(llm: LLM, peer, prompts: list[list[int]], out_len: int) -> tuple[dict, dict]:
@@ -52,7 +66,7 @@ def paired_single(llm: LLM, peer, prompts: list[list[int]], out_len: int) -> tup
     the order alternating by round, so a shift of this shared VM's speed lands on both sides.
     prompts[0] is both systems' warm-up. Returns (ours, llama.cpp) in ours_single's form."""
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    raws = [{"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []} for _ in range(2)]
+    raws = [_new_raw(), _new_raw()]
     before = llm.stats
 
     def run_ours(p):
@@ -69,20 +83,15 @@ def paired_single(llm: LLM, peer, prompts: list[list[int]], out_len: int) -> tup
         order = [(0, run_ours), (1, run_peer)][:: 1 if i % 2 == 0 else -1]
         for side, run in order:
             ttft, e2e, tokens = run(p)
-            if i == 0:
-                continue
-            raw = raws[side]
-            raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
-            raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
-            raw["token_ids"].append(list(tokens))
+            if i > 0:
+                _record(raws[side], ttft, e2e, tokens, out_len)
         if i == 0:
             before = llm.stats
-    ours, theirs = ({"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")}}
-                    for raw in raws)
+    ours, theirs = _summary(raws[0]), _summary(raws[1])
     ours["engine_stats"] = _stats_delta(llm.stats, before)
     # the ratio of each paired round: both sides of it saw the same machine
     theirs["ours_over_theirs"] = {k: bu.summarize([o / t for o, t in zip(raws[0][k], raws[1][k])])
-                                  for k in ("ttft_s", "tpot_s", "e2e_s")}
+                                  for k in KEYS}
     return ours, theirs
 
 
@@ -127,16 +136,13 @@ class HFRunner:
 
     def single(self, prompts: list[list[int]], out_len: int) -> dict:
         """TTFT = a max_new_tokens=1 generate; TPOT from a full generate of the same prompt."""
-        raw: dict[str, list] = {"ttft_s": [], "tpot_s": [], "e2e_s": [], "token_ids": []}
+        raw = _new_raw()
         for i, p in enumerate(prompts):
             ttft, _ = self.generate([p], 1)
             e2e, toks = self.generate([p], out_len)
-            if i == 0:
-                continue  # warm-up
-            raw["ttft_s"].append(ttft), raw["e2e_s"].append(e2e)
-            raw["tpot_s"].append((e2e - ttft) / max(1, out_len - 1))
-            raw["token_ids"].append(toks[0].tolist())
-        return {"raw": raw, **{k: bu.summarize(raw[k]) for k in ("ttft_s", "tpot_s", "e2e_s")}}
+            if i > 0:  # prompt 0: warm-up
+                _record(raw, ttft, e2e, toks[0].tolist(), out_len)
+        return _summary(raw)
 
     def batch(self, prompts: list[list[int]], out_len: int) -> dict:
         walls = [self.generate(prompts[i:i + HF_BATCH], out_len)[0]
@@ -202,7 +208,7 @@ def _llamacpp_lines(res: dict) -> list[str]:
             f"first difference: {lc['greedy_agree_with_ours_a']} of {n}",
             "ours / llama.cpp per paired round: " + ", ".join(
                 f"{k.removesuffix('_s')} {bu.fmt_spread(lc['a']['ours_over_theirs'][k], 1, 2)}"
-                for k in ("ttft_s", "tpot_s", "e2e_s"))]
+                for k in KEYS)]
 
 
 def report(res: dict) -> str:
@@ -215,14 +221,13 @@ def report(res: dict) -> str:
     for name, r in systems:
         if r is not None:
             a, b = r["a"], r["b"]
-            rows_a.append([name] + [bu.fmt_spread(a[k], 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
+            rows_a.append([name] + [bu.fmt_spread(a[k], 1e3) for k in KEYS])
             rows_b.append([name, bu.fmt_num(b["wall_s"], 2), bu.fmt_num(b["output_tok_s"]),
                            bu.fmt_num(b["total_tok_s"])])
     if (lc := res.get("llamacpp")) is not None:
-        rows_a.append(["llama.cpp"] + [bu.fmt_spread(lc["a"][k], 1e3)
-                                       for k in ("ttft_s", "tpot_s", "e2e_s")])
+        rows_a.append(["llama.cpp"] + [bu.fmt_spread(lc["a"][k], 1e3) for k in KEYS])
     fa, fb = res["floor"]["a"], res["floor"]["b"]
-    rows_a.append(["floor"] + [bu.fmt_num(fa[k] * 1e3) for k in ("ttft_s", "tpot_s", "e2e_s")])
+    rows_a.append(["floor"] + [bu.fmt_num(fa[k] * 1e3) for k in KEYS])
     rows_b.append(["floor", bu.fmt_num(fb["wall_s"], 2), bu.fmt_num(fb["output_tok_s"]),
                    bu.fmt_num(fb["total_tok_s"])])
     rates = res["floor"]["rates"]

@@ -24,6 +24,7 @@ import torch
 from backend import LLM, SamplingParams
 from client.bench import benchutil as bu
 from client.bench import floors
+from tpllm_kernels.metadata import DecodeBatch
 
 PARTS = ("step", "gemv", "attention", "head", "read")
 
@@ -41,16 +42,8 @@ def _parts(llm: LLM, context: int):
     runner = llm.engine.runner
     model = runner.model
     cfg = model.cfg
-    x = torch.randn(1, cfg.hidden_size)
-    linears = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for lin, in_features in ((attn.qkv_proj, cfg.hidden_size),
-                                 (attn.o_proj, cfg.num_heads * cfg.head_dim),
-                                 (mlp.gate_up_proj, cfg.hidden_size),
-                                 (mlp.down_proj, cfg.intermediate_size)):
-            w = lin.weight
-            linears.append((torch.randn(1, in_features), w, torch.empty(1, w.shape[0])))
+    linears = [(torch.randn(1, lin.weight.shape[1]), lin.weight,
+                torch.empty(1, lin.weight.shape[0])) for lin in floors.decode_linears(model)]
 
     def gemv():
         for xin, w, out in linears:
@@ -61,14 +54,13 @@ def _parts(llm: LLM, context: int):
     num_blocks = runner.kv_caches[0][0].shape[0]
     # scattered blocks, as a long-running cache hands them out
     table = torch.randperm(num_blocks - 1)[:blocks].add_(1).unsqueeze(0).long()
-    lens = torch.tensor([context], dtype=torch.long)
+    batch = DecodeBatch(table, torch.tensor([context], dtype=torch.long), context, block)
     q = torch.randn(1, cfg.num_heads, cfg.head_dim)
-    kv_index = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)
     scale = cfg.head_dim ** -0.5
 
     def attention():
         for k, v in runner.kv_caches:
-            ext.paged_decode_attention(q, k, v, table, lens, scale, kv_index, 0)
+            cpu_ops.decode_attention(q, k, v, batch, scale)
 
     head = model.lm_head
     xh = torch.randn(1, cfg.hidden_size)
@@ -110,29 +102,23 @@ def main(args: argparse.Namespace) -> int:
         order = order[1:] + order[:1]
         for part in order:
             times[part].append(_timed(engine.step) if part == "step" else _timed(fns[part]))
-    engine.abort_request("parts") if hasattr(engine, "abort_request") else None
+    engine.abort_request("parts")
 
     med = {p: statistics.median(t) for p, t in times.items()}
     rest = med["step"] - med["gemv"] - med["attention"] - med["head"]
     kv = cost.kv_bytes_per_token * args.context
-    rows = [
-        ["step", bu.fmt_spread(bu.summarize(times["step"]), 1e3, 2), "100%",
-         f"{step_bytes / 1e6:.0f}", f"{step_bytes / med['step'] / 1e9:.1f}"],
-        ["gemv (layers)", bu.fmt_spread(bu.summarize(times["gemv"]), 1e3, 2),
-         f"{med['gemv'] / med['step']:.0%}", f"{weights['layers'] / 1e6:.0f}",
-         f"{weights['layers'] / med['gemv'] / 1e9:.1f}"],
-        ["attention", bu.fmt_spread(bu.summarize(times["attention"]), 1e3, 2),
-         f"{med['attention'] / med['step']:.0%}", f"{kv / 1e6:.0f}",
-         f"{kv / med['attention'] / 1e9:.1f}"],
-        ["head (greedy)", bu.fmt_spread(bu.summarize(times["head"]), 1e3, 2),
-         f"{med['head'] / med['step']:.0%}", f"{weights['lm_head'] / 1e6:.0f}",
-         f"{weights['lm_head'] / med['head'] / 1e9:.1f}"],
-        ["rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2),
-         f"{rest / med['step']:.0%}", "", ""],
-        ["read of the step's bytes", bu.fmt_spread(bu.summarize(times["read"]), 1e3, 2),
-         f"{med['read'] / med['step']:.0%}", f"{step_bytes / 1e6:.0f}",
-         f"{step_bytes / med['read'] / 1e9:.1f}"],
-    ]
+    def row(name: str, part: str, nbytes: float) -> list[str]:
+        return [name, bu.fmt_spread(bu.summarize(times[part]), 1e3, 2),
+                f"{med[part] / med['step']:.0%}", f"{nbytes / 1e6:.0f}",
+                f"{nbytes / med[part] / 1e9:.1f}"]
+
+    rows = [row("step", "step", step_bytes),
+            row("gemv (layers)", "gemv", weights["layers"]),
+            row("attention", "attention", kv),
+            row("head (greedy)", "head", weights["lm_head"]),
+            ["rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2),
+             f"{rest / med['step']:.0%}", "", ""],
+            row("read of the step's bytes", "read", step_bytes)]
     text = "\n".join([
         bu.header_line(info), "",
         bu.table(f"batch-1 decode step at {args.context} tokens of context, {args.rounds} rounds "

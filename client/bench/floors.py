@@ -76,6 +76,14 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def decode_linears(model) -> list:
+    """Every decoder linear of `model` (a LlamaForCausalLM) in the order a decode step runs
+    them: each layer's qkv, o, gate_up, down."""
+    return [lin for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
 def step_weight_bytes(model) -> dict[str, int]:
     """The weight bytes a greedy batch-1 decode step of `model` (a loaded LlamaForCausalLM, one
     rank) reads, as its kernels read them: a linear's exact block copy where it has one
@@ -87,11 +95,8 @@ def step_weight_bytes(model) -> dict[str, int]:
         copy = getattr(weight, "block_copy", None)
         return _nbytes(*copy[1:]) if copy is not None else _nbytes(weight)
 
-    layers = 0
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            layers += linear_bytes(lin.weight) + _nbytes(getattr(lin, "bias", None))
+    layers = sum(linear_bytes(lin.weight) + _nbytes(getattr(lin, "bias", None))
+                 for lin in decode_linears(model))
     head = model.lm_head
     screen = getattr(head, "screen", None)
     head_bytes = _nbytes(*screen.copies) if screen is not None else linear_bytes(head.weight)
