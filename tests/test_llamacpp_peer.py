@@ -16,19 +16,27 @@ from client.bench import bench_offline, llamacpp_peer
 ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in for llama-cpp-python with its API's shape (Llama(...).reset / .generate yielding
-# token ids forever, llama_print_system_info): lets the worker's own code run here, where the
-# real build (minutes of compiling) is not installed.
+# token ids forever, llama_print_system_info; Llama reading its model parameters from
+# llama_cpp.llama's llama_cpp.llama_model_default_params): lets the worker's own code run here,
+# where the real build (minutes of compiling) is not installed. With FAKE_LLAMA_SEGV set, a
+# generate with the extra buffer types on dies of SIGSEGV, as the real AMX path does on an AMX
+# host.
 FAKE_LLAMA_CPP = textwrap.dedent('''
+    import os, signal, sys
     __version__ = "0.0-test"
     def llama_print_system_info():
         return b"CPU : AVX2 = 1 | AVX512 = 0 | FMA = 1 | "
     class Llama:
         def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_batch, verbose):
+            from llama_cpp import llama
+            self.extra_bufts = llama.llama_cpp.llama_model_default_params().use_extra_bufts
             self.cache = []
-            print("LOAD", model_path, n_threads, n_ctx, file=__import__("sys").stderr)
+            print("LOAD", model_path, n_threads, n_ctx, self.extra_bufts, file=sys.stderr)
         def reset(self):
             self.cache = []
         def generate(self, tokens, temp, top_k, top_p, min_p, repeat_penalty, reset):
+            if self.extra_bufts and os.environ.get("FAKE_LLAMA_SEGV"):
+                os.kill(os.getpid(), signal.SIGSEGV)
             assert temp == 0.0 and top_k == 1 and self.cache == []
             self.cache = list(tokens)
             while True:  # as the real one: never stops by itself
@@ -42,8 +50,15 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
 def fake_venv(tmp_path: Path) -> Path:
     """A 'venv' whose python is this interpreter with the stand-in on its path."""
     site = tmp_path / "site"
-    site.mkdir()
-    (site / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    (site / "llama_cpp").mkdir(parents=True)
+    (site / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (site / "llama_cpp" / "llama_cpp.py").write_text(textwrap.dedent('''
+        class Params:
+            use_extra_bufts = True
+        def llama_model_default_params():
+            return Params()
+    '''))
+    (site / "llama_cpp" / "llama.py").write_text("import llama_cpp.llama_cpp as llama_cpp\n")
     py = tmp_path / "venv" / "bin" / "python"
     py.parent.mkdir(parents=True)
     py.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
@@ -62,6 +77,37 @@ def test_worker_protocol(fake_venv: Path, tmp_path: Path) -> None:
     assert len(other["token_ids"]) == 3
     assert 0 < first["ttft_s"] <= first["e2e_s"]
     assert peer.proc.returncode == 0  # "quit" ends it
+    assert peer.fallback is None
+
+
+def test_worker_crash_on_first_request_retries_without_extra_buffers(
+        fake_venv: Path, tmp_path: Path, monkeypatch) -> None:
+    """llama.cpp's AMX matmul segfaulting in the first request (an AMX host): the peer loads the
+    model again with use_extra_bufts off, answers that request and says so."""
+    monkeypatch.setenv("FAKE_LLAMA_SEGV", "1")
+    with llamacpp_peer.LlamaCppPeer(tmp_path / "m.gguf", 2, 64, venv=fake_venv) as peer:
+        assert peer.fallback is None
+        first = peer.generate([1, 2, 3], 5)
+        again = peer.generate([1, 2, 3], 5)
+        assert "signal 11" in peer.fallback and "use_extra_bufts off" in peer.fallback
+    assert len(first["token_ids"]) == 5 and first["token_ids"] == again["token_ids"]
+    res = {"llamacpp": {"greedy_agree_with_ours_a": [5], "a": {"ours_over_theirs": {
+               k: {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1} for k in bench_offline.KEYS}}},
+           "info": {"llamacpp": {"version": "0.0-test", "isa": "AVX2",
+                                 "fallback": peer.fallback}},
+           "sizes": {"a": [3, 5]}}
+    assert any("fallback" in line for line in bench_offline._llamacpp_lines(res))
+
+
+def test_worker_crash_after_serving_is_an_error(fake_venv: Path, tmp_path: Path) -> None:
+    """A worker that dies after it has answered is not retried: the bench fails, saying so."""
+    with llamacpp_peer.LlamaCppPeer(tmp_path / "m.gguf", 2, 64, venv=fake_venv) as peer:
+        peer.generate([1, 2], 2)
+        peer.proc.kill()
+        peer.proc.wait()
+        with pytest.raises(llamacpp_peer.LlamaCppUnavailable, match="exited"):
+            peer.generate([1, 2], 2)
+        assert peer.fallback is None
 
 
 def test_missing_venv_says_how_to_build(tmp_path: Path, monkeypatch) -> None:

@@ -203,9 +203,10 @@ def _llamacpp_lines(res: dict) -> list[str]:
         return []
     info = res["info"]["llamacpp"]
     n = res["sizes"]["a"][1]
+    fallback = [f"llama.cpp fallback: {info['fallback']}"] if info.get("fallback") else []
     return [f"llama.cpp: llama-cpp-python {info['version']} ({info['isa']}), the same GGUF, token "
             f"ids and threads, rounds paired with ours; greedy tokens equal to ours before the "
-            f"first difference: {lc['greedy_agree_with_ours_a']} of {n}",
+            f"first difference: {lc['greedy_agree_with_ours_a']} of {n}", *fallback,
             "ours / llama.cpp per paired round: " + ", ".join(
                 f"{k.removesuffix('_s')} {bu.fmt_spread(lc['a']['ours_over_theirs'][k], 1, 2)}"
                 for k in KEYS)]
@@ -287,6 +288,7 @@ def main(args: argparse.Namespace) -> int:
             single_a, theirs = paired_single(llm, peer, prompts_a, out_a)
         finally:
             peer.close()
+        res["info"]["llamacpp"]["fallback"] = peer.fallback
         res["llamacpp"] = {"a": theirs, "greedy_agree_with_ours_a": [
             _common_prefix(x, y) for x, y in zip(single_a["raw"]["token_ids"],
                                                  theirs["raw"]["token_ids"])]}

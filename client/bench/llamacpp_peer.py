@@ -31,26 +31,55 @@ def venv_python(venv: str | Path | None = None) -> Path:
 
 
 class LlamaCppPeer:
-    """One llama.cpp model loaded in a worker process; `generate` runs one request."""
+    """One llama.cpp model loaded in a worker process; `generate` runs one request.
+
+    If the worker dies of a signal in its first request, the model is loaded again without
+    llama.cpp's extra buffer types and the request is retried once: on an AMX host (an Intel
+    Xeon, AVX-512 with AMX-INT8) llama-cpp-python 0.3.36's native build segfaults in
+    ggml_backend_amx_mul_mat on the default model's GGUF, and a user of that build would have to
+    run it so. On x86 those buffer types are AMX and repacking, and ggml repacks neither Q4_1 nor
+    Q8_0 there, so what remains is llama.cpp's own AVX-512 / AVX2 path. `fallback` then says so
+    (None otherwise); the report prints it."""
 
     def __init__(self, gguf: str | Path, threads: int, n_ctx: int, venv: str | Path | None = None):
-        self.proc = subprocess.Popen(
-            [str(venv_python(venv)), str(WORKER), str(gguf), str(threads), str(n_ctx)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._argv = [str(venv_python(venv)), str(WORKER), str(gguf), str(threads), str(n_ctx)]
+        self.fallback: str | None = None
+        self._served = 0
+        self._start()
+
+    def _start(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(self._argv + list(extra), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._call({"op": "info"})
 
     def _call(self, req: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            line = ""
+        else:
+            line = self.proc.stdout.readline()
         if not line:
             raise LlamaCppUnavailable(f"the llama.cpp worker exited (rc {self.proc.wait()})")
         return json.loads(line)
 
     def generate(self, prompt: list[int], n: int) -> dict:
         """{"ttft_s", "e2e_s", "token_ids"}: exactly n greedy tokens after `prompt`."""
-        return self._call({"op": "generate", "prompt": list(prompt), "n": n})
+        req = {"op": "generate", "prompt": list(prompt), "n": n}
+        try:
+            got = self._call(req)
+        except LlamaCppUnavailable:
+            rc = self.proc.returncode
+            if self._served or self.fallback is not None or rc is None or rc >= 0:
+                raise
+            self.fallback = (f"its first request died of signal {-rc}; it runs with "
+                             "use_extra_bufts off (no AMX / repacked matmuls)")
+            self._start("no-extra-bufts")
+            got = self._call(req)
+        self._served += 1
+        return got
 
     def close(self) -> None:
         if self.proc.poll() is None:

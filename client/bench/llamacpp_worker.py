@@ -2,8 +2,8 @@
 file imports nothing of ours and no torch, so llama-cpp-python's native build and its pins stay
 out of the engine's environment.
 
-Protocol: argv = GGUF path, threads, context length. One JSON object per line on stdin, one per
-line on stdout:
+Protocol: argv = GGUF path, threads, context length[, "no-extra-bufts"]. One JSON object per
+line on stdin, one per line on stdout:
   {"op": "info"}                                  -> {"version", "system_info"}
   {"op": "generate", "prompt": [ids], "n": N}     -> {"ttft_s", "e2e_s", "token_ids"}
   {"op": "quit"}
@@ -22,6 +22,8 @@ def main() -> int:
     import llama_cpp
 
     path, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if "no-extra-bufts" in sys.argv[4:]:
+        without_extra_buffer_types(llama_cpp)
     llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
                           n_ctx=n_ctx, n_batch=min(n_ctx, 2048), verbose=False)
     out = sys.stdout
@@ -38,6 +40,22 @@ def main() -> int:
         out.write(json.dumps(reply) + "\n")
         out.flush()
     return 0
+
+
+def without_extra_buffer_types(llama_cpp) -> None:
+    """Loads the model with llama.cpp's `use_extra_bufts` off: its weights stay in the plain CPU
+    buffer, so no AMX (or repacked) matmul runs. llama_cpp.Llama has no argument for it, so the
+    default parameters it starts from are wrapped."""
+    import llama_cpp.llama as module
+
+    defaults = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_cpp.llama_model_default_params = params
 
 
 def generate(llm, prompt: list[int], n: int) -> dict:
