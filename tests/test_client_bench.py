@@ -210,5 +210,12 @@ def test_bench_step_parts_smoke(tmp_path: Path) -> None:
                                            - med["head"])
     w = data["weight_bytes"]
     assert data["step_bytes"] == w["total"] + data["kv_bytes"]
+    assert sum(data["linear_bytes"].values()) == w["layers"]  # per projection kind, summed
     assert "gemv (layers)" in proc.stdout
+    # the parts timed inside the step: every part of the fused stack, each layer once a step
+    in_place = data["in_place"]
+    assert in_place["step"] > 0 and in_place["layers_per_step"] > 0
+    assert all(in_place["parts"][p] > 0 for p in ("qkv", "attention", "gate_up", "down"))
+    assert sum(in_place["parts"].values()) < in_place["step"]
+    assert "timed in place" in proc.stdout and "head, sampling, Python" in proc.stdout
     assert data["info"]["cpu"] in proc.stdout  # the report names the CPU

@@ -188,6 +188,36 @@ def _fused_and_modular_agree(llm, prompts: list[str], monkeypatch) -> tuple[list
     return calls, stack
 
 
+def test_decode_part_timing_sums_each_part_and_changes_no_result(llm):
+    """bench step-parts' in-place timing (decode_layer.cpp part_timing): switched on, every part
+    of every layer of the fused stack is summed, one attention half counted per layer and decode
+    step; the tokens and log-probabilities stay the same bits; switched off, nothing is added."""
+    from tpllm_kernels import cpu_ext
+    model = llm.engine.runner.model
+    ext = cpu_ext.load()
+    if ext is None or not model.fused_decode:
+        no_cpu_kernels()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    prompt = ["Where does a decode step spend its time"]
+    plain = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompt, sp)]
+    ext.set_decode_part_timing(True)
+    try:
+        timed = [(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompt, sp)]
+        got = dict(ext.decode_part_seconds())
+    finally:
+        ext.set_decode_part_timing(False)
+    assert timed == plain
+    layers = len(model.layers)
+    # the first token comes from the prompt's step; the other 5 from decode steps
+    assert got.pop("layers") == 5 * layers
+    assert set(got) == {"norm", "qkv", "rotary_kv", "attention", "o", "gate_up", "silu", "down",
+                        "bias"}
+    for part in ("norm", "qkv", "rotary_kv", "attention", "o", "gate_up", "silu", "down"):
+        assert got[part] > 0, part
+    llm.generate(prompt, sp)  # off again: the sums stay where switching off left them
+    assert dict(ext.decode_part_seconds())["layers"] == 0
+
+
 def test_fused_decode_layers_match_the_modular_path(llm, monkeypatch):
     """With the C++ CPU kernels, decode steps run all layers in one call (one rank), or each
     layer as two calls (tpllm_kernels/csrc/decode_layer.cpp): the same tokens and log-probabilities,

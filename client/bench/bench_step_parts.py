@@ -12,6 +12,10 @@ and a read of as many bytes as the step reads (the kernels' read probe). The res
 (norms, rotary and KV writes, SiLU, the thread team's hand-offs, Python) is step minus the parts.
 Each part runs in a loop over all layers, so like the step it streams more bytes than the caches
 hold. Medians over --rounds rounds, with min-max; the CPU and its ISA head the report.
+
+Then --rounds more steps with the fused layer stack timing its own parts in place
+(decode_layer.cpp's part_timing): what each part costs inside the step, beside the others'
+memory traffic, as a mean per step; the head, sampling and Python are the step's remainder.
 """
 from __future__ import annotations
 
@@ -74,6 +78,39 @@ def _parts(llm: LLM, context: int):
     return gemv, attention, head_fn, ext
 
 
+def _in_place(engine, ext, rounds: int) -> dict | None:
+    """Mean seconds per step of each part of the fused layer stack, timed inside `rounds` steps
+    (None without the C++ kernels)."""
+    if ext is None or not hasattr(ext, "set_decode_part_timing"):
+        return None
+    ext.set_decode_part_timing(True)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            engine.step()
+        step = (time.perf_counter() - t0) / rounds
+        got = dict(ext.decode_part_seconds())
+    finally:
+        ext.set_decode_part_timing(False)
+    layers = got.pop("layers")
+    return {"step": step, "layers_per_step": layers / rounds,
+            "parts": {k: v / rounds for k, v in got.items()}}
+
+
+def _in_place_rows(in_place: dict, byte_of: dict[str, float]) -> list[list[str]]:
+    step, parts = in_place["step"], in_place["parts"]
+
+    def row(name: str, seconds: float, nbytes: float | None = None) -> list[str]:
+        rate = f"{nbytes / seconds / 1e9:.1f}" if nbytes and seconds > 0 else ""
+        return [name, bu.fmt_num(seconds * 1e3, 2), f"{seconds / step:.0%}",
+                f"{nbytes / 1e6:.0f}" if nbytes else "", rate]
+
+    rows = [row("step", step)]
+    rows += [row(name, sec, byte_of.get(name)) for name, sec in parts.items()]
+    rows.append(row("head, sampling, Python (step - parts)", step - sum(parts.values())))
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     info = bu.run_info(args.threads, args.dtype, args.model or "default")
@@ -88,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
     read = (lambda: ext.read_probe(buf)) if ext is not None else (lambda: buf.sum())
 
     prompt = bu.make_prompts(1, args.context - 1, cfg.vocab_size, args.seed)[0]
-    engine.add_request("parts", prompt, SamplingParams(temperature=0, max_tokens=args.rounds + 8,
+    engine.add_request("parts", prompt, SamplingParams(temperature=0, max_tokens=2 * args.rounds + 8,
                                                        ignore_eos=True))
     while sum(len(o.token_ids) for o in engine.step()) == 0:  # the prompt's steps
         pass
@@ -102,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
         order = order[1:] + order[:1]
         for part in order:
             times[part].append(_timed(engine.step) if part == "step" else _timed(fns[part]))
+    in_place = _in_place(engine, ext, args.rounds)
     engine.abort_request("parts")
 
     med = {p: statistics.median(t) for p, t in times.items()}
@@ -119,14 +157,21 @@ def main(args: argparse.Namespace) -> int:
             ["rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2),
              f"{rest / med['step']:.0%}", "", ""],
             row("read of the step's bytes", "read", step_bytes)]
-    text = "\n".join([
-        bu.header_line(info), "",
-        bu.table(f"batch-1 decode step at {args.context} tokens of context, {args.rounds} rounds "
-                 "(median [min-max])", ["part", "ms", "of step", "MB read", "GB/s"], rows)])
+    linear_bytes = floors.layer_linear_bytes(engine.runner.model)
+    byte_of = {"attention": kv, **linear_bytes}
+    tables = [bu.table(f"batch-1 decode step at {args.context} tokens of context, {args.rounds} "
+                       "rounds (median [min-max])", ["part", "ms", "of step", "MB read", "GB/s"],
+                       rows)]
+    if in_place is not None:
+        tables.append(bu.table(
+            f"the same step's parts timed in place, mean over {args.rounds} steps",
+            ["part", "ms", "of step", "MB read", "GB/s"], _in_place_rows(in_place, byte_of)))
+    text = "\n\n".join([bu.header_line(info), *tables])
     print(text)
     out = args.out or bu.default_out("step-parts")
     path = bu.write_json(out, {"info": info, "config": dict(vars(args)), "times_s": times,
                                "median_s": med, "rest_s": rest, "step_bytes": step_bytes,
+                               "in_place": in_place, "linear_bytes": linear_bytes,
                                "weight_bytes": weights, "kv_bytes": kv, "report": text})
     print(f"\nwrote {path}")
     return 0

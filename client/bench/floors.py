@@ -76,30 +76,46 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+_PROJECTIONS = (("qkv", "self_attn", "qkv_proj"), ("o", "self_attn", "o_proj"),
+                ("gate_up", "mlp", "gate_up_proj"), ("down", "mlp", "down_proj"))
+
+
 def decode_linears(model) -> list:
     """Every decoder linear of `model` (a LlamaForCausalLM) in the order a decode step runs
     them: each layer's qkv, o, gate_up, down."""
-    return [lin for layer in model.layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return [getattr(getattr(layer, block), name) for layer in model.layers
+            for _, block, name in _PROJECTIONS]
+
+
+def _weight_read_bytes(weight) -> int:
+    """A weight's bytes as a batch-1 step reads them: its exact block copy where it has one
+    (tpllm_kernels/cpu_blocks.py: codes and scales), else itself."""
+    copy = getattr(weight, "block_copy", None)
+    return _nbytes(*copy[1:]) if copy is not None else _nbytes(weight)
+
+
+def _read_bytes(lin) -> int:
+    return _weight_read_bytes(lin.weight) + _nbytes(getattr(lin, "bias", None))
+
+
+def layer_linear_bytes(model) -> dict[str, int]:
+    """_read_bytes of each projection kind (qkv, o, gate_up, down), summed over the layers."""
+    return {kind: sum(_read_bytes(getattr(getattr(layer, block), name))
+                      for layer in model.layers)
+            for kind, block, name in _PROJECTIONS}
 
 
 def step_weight_bytes(model) -> dict[str, int]:
     """The weight bytes a greedy batch-1 decode step of `model` (a loaded LlamaForCausalLM, one
-    rank) reads, as its kernels read them: a linear's exact block copy where it has one
-    (tpllm_kernels/cpu_blocks.py: codes and scales) else its weight; the lm_head's greedy screen
-    (its int8 copy, scales and bound factors: backend/model/greedy_head.py) where there is one,
-    else the head as its linear reads it. Norms and the rows the screen recomputes are left
-    out (under 1% for SmolLM2). {"layers", "lm_head", "total"}."""
-    def linear_bytes(weight) -> int:
-        copy = getattr(weight, "block_copy", None)
-        return _nbytes(*copy[1:]) if copy is not None else _nbytes(weight)
-
-    layers = sum(linear_bytes(lin.weight) + _nbytes(getattr(lin, "bias", None))
-                 for lin in decode_linears(model))
+    rank) reads, as its kernels read them: every decoder linear's _read_bytes; the lm_head's
+    greedy screen (its int8 copy, scales and bound factors: backend/model/greedy_head.py) where
+    there is one, else the head as its linear reads it. Norms and the rows the screen
+    recomputes are left out (under 1% for SmolLM2). {"layers", "lm_head", "total"}."""
+    layers = sum(layer_linear_bytes(model).values())
     head = model.lm_head
     screen = getattr(head, "screen", None)
-    head_bytes = _nbytes(*screen.copies) if screen is not None else linear_bytes(head.weight)
+    head_bytes = (_nbytes(*screen.copies) if screen is not None
+                  else _weight_read_bytes(head.weight))
     return {"layers": layers, "lm_head": head_bytes, "total": layers + head_bytes}
 
 

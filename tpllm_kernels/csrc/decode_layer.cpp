@@ -15,10 +15,37 @@
 
 #include "cpu_kernels.h"
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <tuple>
 
 namespace {
+
+// Where a decode step's layer time goes, measured in place for `python -m client bench
+// step-parts`: wall seconds of each part of the halves, summed while switched on. Timed apart
+// from the step, a part streams its bytes without the others' traffic around it and misses what
+// the step does between them; in place it is what the step spends. Off by default: one relaxed
+// load per part.
+namespace part_timing {
+enum Part { kNorm, kQkv, kRotaryKv, kAttention, kO, kGateUp, kSilu, kDown, kBias, kCount };
+constexpr std::array<const char*, kCount> kNames = {
+    "norm", "qkv", "rotary_kv", "attention", "o", "gate_up", "silu", "down", "bias"};
+std::atomic<bool> enabled{false};
+std::array<double, kCount> seconds{};
+int64_t layers = 0;  // attention halves timed
+
+template <class F>
+inline void timed(Part part, F&& f) {
+  if (!enabled.load(std::memory_order_relaxed)) {
+    f();
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  seconds[part] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace part_timing
 
 // A linear's weight as the decode step reads it: the float32 / bf16 tensor, or (float32 only)
 // its exact block copy where there is one (cpu_gemv_blocks.cpp; same bits, a sixth (bits 4)
@@ -108,12 +135,18 @@ std::vector<torch::Tensor> decode_attention_half(
     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
     const torch::Tensor& block_tables, const torch::Tensor& context_lens,
     const c10::optional<torch::Tensor>& lora_ids, Workspace& ws) {
-  if (add_residual) add_rms_norm_(x, residual, l.norm1, l.eps1);
-  project(x, l.qkv_w, l.qkv_b, l.qkv_l, lora_ids, ws.qkv);
-  rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
-  paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens, l.scale,
-                              l.kv_index, 0, ws.attn);
-  project(ws.attn2d, l.o_w, c10::nullopt, l.o_l, lora_ids, ws.o);
+  using namespace part_timing;
+  if (enabled.load(std::memory_order_relaxed)) ++part_timing::layers;
+  if (add_residual) timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm1, l.eps1); });
+  timed(kQkv, [&] { project(x, l.qkv_w, l.qkv_b, l.qkv_l, lora_ids, ws.qkv); });
+  timed(kRotaryKv, [&] {
+    rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
+  });
+  timed(kAttention, [&] {
+    paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens,
+                                l.scale, l.kv_index, 0, ws.attn);
+  });
+  timed(kO, [&] { project(ws.attn2d, l.o_w, c10::nullopt, l.o_l, lora_ids, ws.o); });
   return {ws.o, residual};
 }
 
@@ -124,10 +157,11 @@ std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x
                                            torch::Tensor residual,
                                            const c10::optional<torch::Tensor>& lora_ids,
                                            Workspace& ws) {
-  add_rms_norm_(x, residual, l.norm2, l.eps2);
-  project(x, l.gate_up_w, l.gate_up_b, l.gate_up_l, lora_ids, ws.gate_up);
-  silu_mul_into(ws.gate_up, ws.h);
-  project(ws.h, l.down_w, c10::nullopt, l.down_l, lora_ids, ws.down);
+  using namespace part_timing;
+  timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm2, l.eps2); });
+  timed(kGateUp, [&] { project(x, l.gate_up_w, l.gate_up_b, l.gate_up_l, lora_ids, ws.gate_up); });
+  timed(kSilu, [&] { silu_mul_into(ws.gate_up, ws.h); });
+  timed(kDown, [&] { project(ws.h, l.down_w, c10::nullopt, l.down_l, lora_ids, ws.down); });
   return {ws.down, residual};
 }
 
@@ -149,9 +183,10 @@ std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, 
   for (const auto& l : layers) {
     auto a = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
                                    block_tables, context_lens, lora_ids, ws);
-    if (l.o_b.has_value()) a[0].add_(*l.o_b);
+    if (l.o_b.has_value()) part_timing::timed(part_timing::kBias, [&] { a[0].add_(*l.o_b); });
     auto m = decode_mlp_half(l, a[0], a[1], lora_ids, ws);
-    if (l.down_b.has_value()) m[0].add_(*l.down_b);
+    if (l.down_b.has_value())
+      part_timing::timed(part_timing::kBias, [&] { m[0].add_(*l.down_b); });
     x = m[0], residual = m[1], add_residual = true;
   }
   return {x, residual};
@@ -249,6 +284,19 @@ void bind_decode_layer(pybind11::module& m) {
   // Without the GIL: a decode step spends nearly all its time in here, and the serving process
   // has other Python threads (the Triton adapter's response thread) that need not wait for it.
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // part_timing: switch on (the sums start from 0) or off; the sums, and how many attention
+  // halves (layers) they cover
+  m.def("set_decode_part_timing", [](bool on) {
+    part_timing::seconds.fill(0.0);
+    part_timing::layers = 0;
+    part_timing::enabled.store(on);
+  });
+  m.def("decode_part_seconds", [] {
+    py::dict d;
+    for (int i = 0; i < part_timing::kCount; ++i) d[part_timing::kNames[i]] = part_timing::seconds[i];
+    d["layers"] = part_timing::layers;
+    return d;
+  });
   m.def("decode_stack_tp", &decode_stack_tp,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   // The halves for several ranks, collectives in between (o's and down's biases: after them).
