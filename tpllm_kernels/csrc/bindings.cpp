@@ -2,7 +2,7 @@
 // translation units (declared in cpu_kernels.h). The only file that needs pybind11 and torch's
 // Python bindings for its own code (decode_layer.cpp and thread_team.cpp bind their classes
 // and switches themselves).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "cpu_kernels.h"
 
@@ -11,20 +11,20 @@ void bind_thread_team(pybind11::module& m);   // the worker team's switches (thr
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);
-  m.def("small_m_linear_into", [](torch::Tensor x, torch::Tensor weight, torch::Tensor y) {
+  m.def("small_m_linear_into", [](at::Tensor x, at::Tensor weight, at::Tensor y) {
     small_m_linear_into(x, weight, c10::nullopt, y);
   });
-  m.def("small_m_linear_q4_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor dm,
-                                     c10::optional<torch::Tensor> bias, torch::Tensor y) {
+  m.def("small_m_linear_q4_into", [](at::Tensor x, at::Tensor q, at::Tensor dm,
+                                     c10::optional<at::Tensor> bias, at::Tensor y) {
     small_m_linear_q4_into(x, q, dm, bias, y);
   });
   m.def("block_copy_max_rows", &block_copy_max_rows);
-  m.def("lora_delta_", [](torch::Tensor x, torch::Tensor y, torch::Tensor a, torch::Tensor bt,
-                          torch::Tensor info, torch::Tensor ids) {
+  m.def("lora_delta_", [](at::Tensor x, at::Tensor y, at::Tensor a, at::Tensor bt,
+                          at::Tensor info, at::Tensor ids) {
     lora_delta_into(x, y, a, bt, info, ids);
   });
-  m.def("small_m_linear_q8_into", [](torch::Tensor x, torch::Tensor q, torch::Tensor scales,
-                                     c10::optional<torch::Tensor> bias, torch::Tensor y) {
+  m.def("small_m_linear_q8_into", [](at::Tensor x, at::Tensor q, at::Tensor scales,
+                                     c10::optional<at::Tensor> bias, at::Tensor y) {
     small_m_linear_q8_into(x, q, scales, bias, y);
   });
   m.def("small_m_linear_bf16", &small_m_linear_bf16);

@@ -10,7 +10,8 @@
 // adapters: a step with adapter rows passes each row's adapter id, and every projection an
 // adapter targets adds its rows' deltas (lora_delta.cpp, as the modular LoraSlot does) before
 // its bias-free partial sum goes to the collective.
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
 #include "cpu_kernels.h"
@@ -51,22 +52,22 @@ inline void timed(Part part, F&& f) {
 // its exact block copy where there is one (cpu_gemv_blocks.cpp; same bits, a sixth (bits 4)
 // or a quarter (bits 8) of the bytes)
 struct Weight {
-  torch::Tensor w;
+  at::Tensor w;
   int64_t bits = 0;  // 0: no copy
-  c10::optional<torch::Tensor> codes, scales;
+  c10::optional<at::Tensor> codes, scales;
   int64_t rows() const { return w.size(0); }
 };
 
 // x @ weight^T (+ bias) into y: float32, or bfloat16 (a few rows; sums in float32, y rounded
 // once), as cpu_ops.linear computes them for the modular path
-void linear_into(const torch::Tensor& x, const Weight& weight,
-                 const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
-  const bool copy = x.scalar_type() == torch::kFloat32 && x.size(0) <= block_copy_max_rows();
+void linear_into(const at::Tensor& x, const Weight& weight,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const bool copy = x.scalar_type() == at::kFloat && x.size(0) <= block_copy_max_rows();
   if (copy && weight.bits == 4)
     small_m_linear_q4_into(x, *weight.codes, *weight.scales, bias, y);
   else if (copy && weight.bits == 8)
     small_m_linear_q8_into(x, *weight.codes, *weight.scales, bias, y);
-  else if (weight.w.scalar_type() == torch::kBFloat16)
+  else if (weight.w.scalar_type() == at::kBFloat16)
     small_m_linear_bf16_into(x, weight.w, bias, y);
   else
     small_m_linear_into(x, weight.w, bias, y);
@@ -74,13 +75,13 @@ void linear_into(const torch::Tensor& x, const Weight& weight,
 
 // A linear's LoRA adapters, all stacked (lora_delta.cpp): A, B transposed, the layout
 struct Lora {
-  torch::Tensor a, bt, info;
+  at::Tensor a, bt, info;
 };
 
 // linear_into, then (a step with adapter rows: ids) each such row's adapter delta
-void project(const torch::Tensor& x, const Weight& weight,
-             const c10::optional<torch::Tensor>& bias, const c10::optional<Lora>& lora,
-             const c10::optional<torch::Tensor>& ids, torch::Tensor& y) {
+void project(const at::Tensor& x, const Weight& weight,
+             const c10::optional<at::Tensor>& bias, const c10::optional<Lora>& lora,
+             const c10::optional<at::Tensor>& ids, at::Tensor& y) {
   linear_into(x, weight, bias, y);
   if (lora.has_value() && ids.has_value()) lora_delta_into(x, y, lora->a, lora->bt, lora->info, *ids);
 }
@@ -89,23 +90,23 @@ void project(const torch::Tensor& x, const Weight& weight,
 // in every layer (an allocation there is slow: its code gone cold after the GEMVs). q and
 // attn2d are views made once too. Layers of one model share the shapes.
 struct Workspace {
-  torch::Tensor qkv, q, attn, attn2d, o, gate_up, h, down;
+  at::Tensor qkv, q, attn, attn2d, o, gate_up, h, down;
 
   // the attention half's buffers, the MLP half's, or both
-  Workspace(const torch::Tensor& x, int64_t Hq, int64_t Hkv, int64_t D, int64_t qkv_n,
+  Workspace(const at::Tensor& x, int64_t Hq, int64_t Hkv, int64_t D, int64_t qkv_n,
             int64_t o_n, int64_t gate_up_n, int64_t down_n, bool attention, bool mlp) {
     const int64_t B = x.size(0);
     if (attention) {
-      qkv = torch::empty({B, qkv_n}, x.options());
+      qkv = at::empty({B, qkv_n}, x.options());
       q = qkv.view({B, Hq + 2 * Hkv, D}).narrow(1, 0, Hq);
-      attn = torch::empty({B, Hq, D}, x.options());
+      attn = at::empty({B, Hq, D}, x.options());
       attn2d = attn.view({B, Hq * D});
-      o = torch::empty({B, o_n}, x.options());
+      o = at::empty({B, o_n}, x.options());
     }
     if (mlp) {
-      gate_up = torch::empty({B, gate_up_n}, x.options());
-      h = torch::empty({B, gate_up_n / 2}, x.options());
-      down = torch::empty({B, down_n}, x.options());
+      gate_up = at::empty({B, gate_up_n}, x.options());
+      h = at::empty({B, gate_up_n / 2}, x.options());
+      down = at::empty({B, down_n}, x.options());
     }
   }
 };
@@ -113,14 +114,14 @@ struct Workspace {
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
 // per-step tensors (pybind's conversion of ~18 arguments per call was itself a visible cost).
 struct DecodeLayer {
-  torch::Tensor norm1, norm2, k_cache, v_cache, kv_index;
+  at::Tensor norm1, norm2, k_cache, v_cache, kv_index;
   Weight qkv_w, o_w, gate_up_w, down_w;
-  c10::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
+  c10::optional<at::Tensor> qkv_b, o_b, gate_up_b, down_b;
   double eps1, eps2, scale;
   int64_t Hq, Hkv;
   c10::optional<Lora> qkv_l, o_l, gate_up_l, down_l;  // where an adapter targets the projection
 
-  Workspace workspace(const torch::Tensor& x, bool attention = true, bool mlp = true) const {
+  Workspace workspace(const at::Tensor& x, bool attention = true, bool mlp = true) const {
     return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.rows(), o_w.rows(), gate_up_w.rows(),
                      down_w.rows(), attention, mlp);
   }
@@ -130,11 +131,11 @@ struct DecodeLayer {
 // projection, rotary + KV-cache write, paged attention, o projection (this rank's partial sum,
 // without o's bias) into the workspace, each projection with its rows' LoRA deltas (lora_ids:
 // each row's adapter, 0 none; absent: no row has one). Returns {partial o output, residual}.
-std::vector<torch::Tensor> decode_attention_half(
-    const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-    const c10::optional<torch::Tensor>& lora_ids, Workspace& ws) {
+std::vector<at::Tensor> decode_attention_half(
+    const DecodeLayer& l, at::Tensor x, at::Tensor residual, bool add_residual,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens,
+    const c10::optional<at::Tensor>& lora_ids, Workspace& ws) {
   using namespace part_timing;
   if (enabled.load(std::memory_order_relaxed)) ++part_timing::layers;
   if (add_residual) timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm1, l.eps1); });
@@ -153,9 +154,9 @@ std::vector<torch::Tensor> decode_attention_half(
 // [residual += x; x = rms_norm(residual)], gate/up projection, silu * up, down projection (this
 // rank's partial sum, without down's bias) into the workspace, with LoRA deltas as the attention
 // half's. Returns {partial down output, residual}.
-std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x,
-                                           torch::Tensor residual,
-                                           const c10::optional<torch::Tensor>& lora_ids,
+std::vector<at::Tensor> decode_mlp_half(const DecodeLayer& l, at::Tensor x,
+                                           at::Tensor residual,
+                                           const c10::optional<at::Tensor>& lora_ids,
                                            Workspace& ws) {
   using namespace part_timing;
   timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm2, l.eps2); });
@@ -172,12 +173,12 @@ std::vector<torch::Tensor> decode_mlp_half(const DecodeLayer& l, torch::Tensor x
 // when `add_residual` is false (residual then holds the un-normed input). Returns {x, residual}
 // after the last layer, bit-identical to calling the halves with the biases added in between.
 // lora_ids: each row's LoRA adapter (0: none), absent when no row has one.
-std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, torch::Tensor x,
-                                        torch::Tensor residual, bool add_residual,
-                                        torch::Tensor cos, torch::Tensor sin,
-                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                        torch::Tensor context_lens,
-                                        c10::optional<torch::Tensor> lora_ids) {
+std::vector<at::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, at::Tensor x,
+                                        at::Tensor residual, bool add_residual,
+                                        at::Tensor cos, at::Tensor sin,
+                                        at::Tensor slot_mapping, at::Tensor block_tables,
+                                        at::Tensor context_lens,
+                                        c10::optional<at::Tensor> lora_ids) {
   if (layers.empty()) return {x, residual};
   Workspace ws = layers[0].workspace(x);
   for (const auto& l : layers) {
@@ -194,15 +195,15 @@ std::vector<torch::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, 
 
 // The next shared-memory all-reduce: this collective's buffer, the flags, and what
 // shm_all_reduce needs besides the tensor.
-using ShmCollective = std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t>;
+using ShmCollective = std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, int64_t>;
 
-std::tuple<torch::Tensor, torch::Tensor, bool, double> collect(
-    const std::vector<torch::Tensor>& half, const c10::optional<ShmCollective>& coll) {
+std::tuple<at::Tensor, at::Tensor, bool, double> collect(
+    const std::vector<at::Tensor>& half, const c10::optional<ShmCollective>& coll) {
   if (!coll.has_value()) return {half[0], half[1], true, 0.0};
   const auto& [slots, flags, rank, seq, spins] = *coll;
   const auto t0 = std::chrono::steady_clock::now();
   // summed in place: an allocation here is slow (its code gone cold after the layer's GEMVs)
-  torch::Tensor out = half[0];
+  at::Tensor out = half[0];
   const bool arrived = shm_all_reduce_into(half[0], out, slots, flags, rank, seq, spins);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return {out, half[1], arrived, dt};
@@ -216,12 +217,12 @@ std::tuple<torch::Tensor, torch::Tensor, bool, double> collect(
 // {x, residual, halves run, arrived, seconds in collectives}. If a peer was late past the spins
 // (arrived false), x is the last half's posted partial: the caller waits its liveness-checking
 // way, sums, adds that half's bias and calls again from the next half.
-std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
-    const std::vector<DecodeLayer>& layers, torch::Tensor x, torch::Tensor residual,
-    bool add_residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor context_lens, int64_t start,
-    const std::vector<torch::Tensor>& buffers, torch::Tensor flags, int64_t rank, int64_t seq0,
-    int64_t spins, c10::optional<torch::Tensor> lora_ids) {
+std::tuple<at::Tensor, at::Tensor, int64_t, bool, double> decode_stack_tp(
+    const std::vector<DecodeLayer>& layers, at::Tensor x, at::Tensor residual,
+    bool add_residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+    at::Tensor block_tables, at::Tensor context_lens, int64_t start,
+    const std::vector<at::Tensor>& buffers, at::Tensor flags, int64_t rank, int64_t seq0,
+    int64_t spins, c10::optional<at::Tensor> lora_ids) {
   TORCH_CHECK(buffers.size() == 2, "decode_stack_tp: two collective buffers");
   const int64_t halves = 2 * static_cast<int64_t>(layers.size());
   double seconds = 0.0;
@@ -249,23 +250,23 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool, double> decode_stack_tp(
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecodeLayer>(m, "DecodeLayer")
-      .def(py::init([](torch::Tensor norm1, double eps1, torch::Tensor qkv_w,
-                       c10::optional<torch::Tensor> qkv_b, int64_t Hq, int64_t Hkv,
-                       torch::Tensor k_cache, torch::Tensor v_cache, double scale,
-                       torch::Tensor kv_index, torch::Tensor o_w, c10::optional<torch::Tensor> o_b,
-                       torch::Tensor norm2, double eps2, torch::Tensor gate_up_w,
-                       c10::optional<torch::Tensor> gate_up_b, torch::Tensor down_w,
-                       c10::optional<torch::Tensor> down_b,
+      .def(py::init([](at::Tensor norm1, double eps1, at::Tensor qkv_w,
+                       c10::optional<at::Tensor> qkv_b, int64_t Hq, int64_t Hkv,
+                       at::Tensor k_cache, at::Tensor v_cache, double scale,
+                       at::Tensor kv_index, at::Tensor o_w, c10::optional<at::Tensor> o_b,
+                       at::Tensor norm2, double eps2, at::Tensor gate_up_w,
+                       c10::optional<at::Tensor> gate_up_b, at::Tensor down_w,
+                       c10::optional<at::Tensor> down_b,
                        std::vector<int64_t> bits,
-                       std::vector<c10::optional<torch::Tensor>> copies,
-                       std::vector<c10::optional<torch::Tensor>> lora) {
+                       std::vector<c10::optional<at::Tensor>> copies,
+                       std::vector<c10::optional<at::Tensor>> lora) {
         // the block copies of qkv, o, gate_up and down: bits 4, 8 or 0 (none) and their
         // (codes, scales) pairs
         TORCH_CHECK(bits.size() == 4 && copies.size() == 8,
                     "DecodeLayer: 4 copy kinds and 8 tensors");
         // their LoRA adapters, stacked: (a, bt, info) each, or none (an empty list: no adapters)
         TORCH_CHECK(lora.empty() || lora.size() == 12, "DecodeLayer: 4 LoRA triples or none");
-        auto weight = [&](torch::Tensor w, int i) {
+        auto weight = [&](at::Tensor w, int i) {
           const bool both = copies[2 * i].has_value() && copies[2 * i + 1].has_value();
           TORCH_CHECK(bits[i] == 0 || both, "DecodeLayer: a block copy without its tensors");
           return Weight{w, bits[i], copies[2 * i], copies[2 * i + 1]};
@@ -306,18 +307,18 @@ void bind_decode_layer(pybind11::module& m) {
   // else this rank's posted partial (the caller then waits its slow, liveness-checking way and
   // sums); seconds is the time spent in the collective.
   m.def("decode_attention_half",
-        [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual, bool add_residual,
-           torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-           torch::Tensor block_tables, torch::Tensor context_lens,
-           c10::optional<ShmCollective> coll, c10::optional<torch::Tensor> lora_ids) {
+        [](const DecodeLayer& l, at::Tensor x, at::Tensor residual, bool add_residual,
+           at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+           at::Tensor block_tables, at::Tensor context_lens,
+           c10::optional<ShmCollective> coll, c10::optional<at::Tensor> lora_ids) {
           Workspace ws = l.workspace(x, true, false);
           auto r = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
                                          block_tables, context_lens, lora_ids, ws);
           return collect(r, coll);
         });
-  m.def("decode_mlp_half", [](const DecodeLayer& l, torch::Tensor x, torch::Tensor residual,
+  m.def("decode_mlp_half", [](const DecodeLayer& l, at::Tensor x, at::Tensor residual,
                               c10::optional<ShmCollective> coll,
-                              c10::optional<torch::Tensor> lora_ids) {
+                              c10::optional<at::Tensor> lora_ids) {
     Workspace ws = l.workspace(x, false, true);
     auto r = decode_mlp_half(l, x, residual, lora_ids, ws);
     return collect(r, coll);

@@ -17,7 +17,8 @@
 // waits for the chunks that were claimed, and only for those.
 #include "thread_team.h"
 
-#include <torch/extension.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <pthread.h>
 #include <algorithm>
@@ -437,7 +438,7 @@ namespace {
 // reassociating floats, so the loop is bound by the loads. Returns the sum (so nothing is
 // optimized away); the caller times it. torch's float sum of the same buffer read slower than
 // our decode step streamed its weights: too lenient a floor.
-int64_t read_probe(const torch::Tensor& buf) {
+int64_t read_probe(const at::Tensor& buf) {
   TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous() && buf.nbytes() % 64 == 0,
               "read_probe: a contiguous CPU tensor of a multiple of 64 bytes");
   const auto* words = static_cast<const uint64_t*>(buf.data_ptr());
@@ -501,8 +502,8 @@ void bind_thread_team(pybind11::module& m) {
   // index, the OS thread that ran it (as a small id); nested: each chunk runs an inner loop over
   // [0, 8) (which must run inline) for every one of its indices.
   m.def("_parallel_cover", [](int64_t n, int64_t grain, bool nested) {
-    auto counts = torch::zeros({n}, torch::kInt32);
-    auto who = torch::zeros({n}, torch::kInt64);
+    auto counts = at::zeros({n}, at::kInt);
+    auto who = at::zeros({n}, at::kLong);
     int32_t* c = counts.data_ptr<int32_t>();
     int64_t* w = who.data_ptr<int64_t>();
     auto body = [&](int64_t b, int64_t e) {
