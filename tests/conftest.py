@@ -7,6 +7,9 @@ import pytest
 # Tests run on a 2-core shared machine; spinning OpenMP threads starve each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Without CUDA, Triton's interpreter on from the start, whatever a test module imports first
+import tests.triton_env  # noqa: E402,F401
+
 # Engines on the real model in tests: a small KV pool and step budget keep warmup short.
 SMALL_ENGINE = dict(kv_cache_memory_gb=0.1, max_num_batched_tokens=256, max_num_seqs=16)
 

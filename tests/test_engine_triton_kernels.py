@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET before Triton loads)
+from tests.triton_env import DEVICE, IMPORTED_BEFORE  # noqa: E402  (sets TRITON_INTERPRET)
 
 pytest.importorskip("triton")
 
@@ -23,7 +23,7 @@ from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk 
 from tpllm_kernels.triton_util import interpreting  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
-if DEVICE == "cpu" and not interpreting():
+if DEVICE == "cpu" and (IMPORTED_BEFORE or not interpreting()):
     pytest.skip("Triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 
