@@ -1,8 +1,8 @@
 """The CPU path: C++ kernels where they pay (small-batch float32 and bf16 linears, decode and
-prefill attention, add+RMSNorm, rotary+KV write, silu*mul, the fused decode stack), MKL's or
-oneDNN's GEMM (GEMM_LIBRARY) for prefill chunks and full decode batches, and the torch
-reference for everything else and for any input the kernels don't cover (storage other than
-float32 / bfloat16, non-contiguous tensors).
+prefill attention, add+RMSNorm, rotary+KV write, silu*mul; the fused decode stack, from
+cpu_fused_decode.py), MKL's or oneDNN's GEMM (GEMM_LIBRARY) for prefill chunks and full decode
+batches, and the torch reference for everything else and for any input the kernels don't cover
+(storage other than float32 / bfloat16, non-contiguous tensors).
 Same names and signatures as tpllm_kernels/reference.py, so dispatch is a namespace swap.
 
 The C++ module is the ISA variant tpllm_kernels.cpu_ext picked for this CPU (avx512_bf16, avx512,
@@ -20,7 +20,11 @@ from tpllm_kernels import cpu_blocks as _blocks
 from tpllm_kernels import cpu_threading as _threads
 from tpllm_kernels import reference as _ref
 from tpllm_kernels.cpu_ext import load
-from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
+# the fused decode stack's calls, re-exported: the model calls them through this namespace
+from tpllm_kernels.cpu_fused_decode import (FUSED_DECODE, decode_attention_half,  # noqa: F401
+                                            decode_layer, decode_mlp_half, decode_stack,
+                                            decode_stack_tp)
+from tpllm_kernels.metadata import DecodeBatch, PrefillChunk, uniform_kv_index
 
 _ext = load()
 
@@ -39,11 +43,6 @@ write_kv = _ref.write_kv
 _STORAGE = (torch.float32, torch.bfloat16)  # what the C++ kernels read and write (math in fp32)
 
 
-@lru_cache(maxsize=64)
-def _uniform_kv_index(num_q: int, num_kv: int) -> torch.Tensor:
-    return torch.arange(num_q) // (num_q // num_kv)
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: DecodeBatch, scale: float,
                      kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
@@ -54,7 +53,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.dtype not in _STORAGE:
         return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
     if kv_index is None:
-        kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
+        kv_index = uniform_kv_index(q.shape[1], k_cache.shape[2])
     return _ext.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
                                        batch.context_lens, scale, kv_index, num_splits)
 
@@ -72,7 +71,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and _fast_prefill(q.shape[-1])
             and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
         if kv_index is None:
-            kv_index = _uniform_kv_index(q.shape[1], k_cache.shape[2])
+            kv_index = uniform_kv_index(q.shape[1], k_cache.shape[2])
         return _ext.paged_prefill_attention(q, k_cache, v_cache, chunk.block_table,
                                             chunk.context_len, scale, kv_index)
     return _ref.prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, kv_index)
@@ -286,11 +285,6 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
     return weight.numel() * weight.element_size()
 
 
-# A decode-only float32 step may run each decoder layer as two C++ calls instead of ~10 Python-level
-# ones, or with one rank all layers as one (csrc/decode_layer.cpp; bit-identical to the modular
-# path). The model checks this flag.
-FUSED_DECODE = True
-
 # Exact block copies of float32 weights that are Q4_1 / Q8_0 blocks (the default model's
 # layers / lm_head), read by linear's C++ GEMV and the fused decode layers instead of the
 # float32 weight: same bits, a sixth / a quarter of the bytes (cpu_blocks.py).
@@ -299,81 +293,6 @@ keep_block_copy = (_blocks.keep_block_copy if hasattr(_ext, "small_m_linear_q8_i
                    and os.environ.get("TPLLM_BLOCK_COPIES", "1").strip() != "0" else None)
 # the most rows a GEMV reads a copy for (AVX2: 16; csrc block_copy_max_rows), asked once
 _BLOCK_COPY_ROWS = _ext.block_copy_max_rows() if keep_block_copy is not None else 0
-
-
-_COPY_BITS = {"q4": 4, "q8": 8}  # DecodeLayer's name for a block copy's kind
-
-
-def decode_layer(norm1: torch.Tensor, eps1: float, qkv_weight: torch.Tensor,
-                 qkv_bias: torch.Tensor | None, num_q: int, num_kv: int, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, scale: float, kv_index: torch.Tensor | None,
-                 o_weight: torch.Tensor, o_bias: torch.Tensor | None, norm2: torch.Tensor,
-                 eps2: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_weight: torch.Tensor, down_bias: torch.Tensor | None,
-                 lora: list | None = None):
-    """One layer's weights and caches, bound for decode_stack and the decode halves; lora:
-    qkv's, o's, gate_up's and down's stacked adapters (LoraSlot.stacked: (a, bt, info)) or None
-    each, for steps with adapter rows (lora_delta_)."""
-    if kv_index is None:
-        kv_index = _uniform_kv_index(num_q, num_kv)
-    # each weight's exact block copy where it has one (cpu_blocks.py): kind 4 or 8 (0: none)
-    # and its codes and scales
-    copies = [getattr(w, "block_copy", ("", None, None))
-              for w in (qkv_weight, o_weight, gate_up_weight, down_weight)]
-    return _ext.DecodeLayer(norm1, eps1, qkv_weight, qkv_bias, num_q, num_kv, k_cache, v_cache,
-                            scale, kv_index, o_weight, o_bias, norm2, eps2, gate_up_weight,
-                            gate_up_bias, down_weight, down_bias,
-                            [_COPY_BITS.get(c[0], 0) for c in copies], [t for c in copies for t in c[1:]],
-                            [t for s in (lora or ()) for t in (s or (None, None, None))])
-
-
-def decode_stack(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
-                 cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 batch: DecodeBatch, lora_ids: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every bound layer in one call (one rank: no collectives between layers). lora_ids: each
-    row's LoRA adapter (0: none; int64), None when no row has one."""
-    x, residual = _ext.decode_stack(layers, x, residual, add_residual, cos, sin, slot_mapping,
-                                    batch.block_tables, batch.context_lens, lora_ids)
-    return x, residual
-
-
-def decode_stack_tp(layers: list, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
-                    cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                    batch: DecodeBatch, start: int, collectives: tuple,
-                    lora_ids: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, int, bool, float]:
-    """decode_stack for one tensor-parallel rank: layer halves [start, 2 * layers), each ending
-    in its shared-memory all-reduce; collectives = (buffers, flags, rank, first seq, spins) from
-    ParallelContext.fused_stack; lora_ids as decode_stack's. Returns (x, residual, halves run,
-    arrived, seconds)."""
-    buffers, flags, rank, seq, spins = collectives
-    return _ext.decode_stack_tp(layers, x, residual, add_residual, cos, sin, slot_mapping,
-                                batch.block_tables, batch.context_lens, start, list(buffers),
-                                flags, rank, seq, spins, lora_ids)
-
-
-def decode_attention_half(layer, x: torch.Tensor, residual: torch.Tensor, add_residual: bool,
-                          cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                          batch: DecodeBatch, collective: tuple | None = None,
-                          lora_ids: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
-    """A bound layer's [add + RMSNorm], qkv, rotary + KV write, attention and o_proj's partial
-    sum (no bias: it follows the all-reduce); with a shared-memory `collective` (see
-    ShmCommunicator.fused_collective) also the all-reduce; lora_ids as decode_stack's. Returns
-    (out, residual, arrived, seconds in the collective); out is this rank's partial unless all
-    ranks arrived."""
-    return _ext.decode_attention_half(layer, x, residual, add_residual, cos, sin, slot_mapping,
-                                      batch.block_tables, batch.context_lens, collective,
-                                      lora_ids)
-
-
-def decode_mlp_half(layer, x: torch.Tensor, residual: torch.Tensor,
-                    collective: tuple | None = None, lora_ids: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
-    """A bound layer's add + RMSNorm, gate_up, silu * up and down_proj's partial sum (no bias),
-    [and the all-reduce], with LoRA deltas as decode_attention_half's; returns as it."""
-    return _ext.decode_mlp_half(layer, x, residual, collective, lora_ids)
 
 
 # A float32 decode step with LoRA adapter rows stays on the fused path: the bound layers carry

@@ -6,9 +6,16 @@ kernel path needs (gather indices, masks) are built lazily once per step, not on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
+
+
+@lru_cache(maxsize=64)
+def uniform_kv_index(num_q: int, num_kv: int) -> torch.Tensor:
+    """The KV head each of num_q query heads reads when they share num_kv heads evenly (GQA):
+    the kernels' kv_index where the model passes none."""
+    return torch.arange(num_q) // (num_q // num_kv)
 
 
 @dataclass
