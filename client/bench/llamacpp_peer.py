@@ -76,6 +76,11 @@ class LlamaCppPeer:
                 raise
             self.fallback = (f"its first request died of signal {-rc}; it runs with "
                              "use_extra_bufts off (no AMX / repacked matmuls)")
+            for pipe in (self.proc.stdin, self.proc.stdout):  # the dead worker's
+                try:
+                    pipe.close()
+                except OSError:  # unflushed input to a closed pipe
+                    pass
             self._start("no-extra-bufts")
             got = self._call(req)
         self._served += 1
