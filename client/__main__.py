@@ -60,6 +60,9 @@ def _cmd_bench_tp(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="each engine's step budget, at least --input-len (default 2048, the "
+                        "served default; smaller warms up faster)")
     p.add_argument("--repeats", type=int, default=5,
                    help="interleaved rounds: each runs every layout once (default 5)")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")

@@ -72,10 +72,12 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "client", "bench", "tp", "--tp", "1,2", "--input-len", "24",
          "--output-len", "3", "--repeats", "2", "--transports", "shm,gloo",
+         "--max-num-batched-tokens", "64",
          "--wait-policy", "passive", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    assert data["args"]["max_num_batched_tokens"] == 64  # a small step budget: a short warmup
     layouts = [(r["tp"], r["threads_per_rank"], r["transport"]) for r in data["results"]]
     assert layouts == [(1, 1, "shm"), (1, 2, "shm"), (2, 1, "shm"), (2, 1, "gloo")]
     tp2 = [r for r in data["results"] if r["tp"] == 2]

@@ -99,8 +99,8 @@ def _offline_main(args, layout: Layout, run_fn: RunFn, conn) -> None:
     try:
         from backend import LLM
         llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=layout.tp,
-                  num_threads=layout.threads, pin_cpus=args.pin,
-                  max_num_batched_tokens=max(2048, args.input_len), kv_cache_memory_gb=1.0)
+                  num_threads=layout.threads, pin_cpus=args.pin, kv_cache_memory_gb=1.0,
+                  max_num_batched_tokens=max(args.max_num_batched_tokens, args.input_len))
         run_fn(args, layout, -1, llm)  # the first request: not counted
         conn.send(("ok", None))
         while (r := conn.recv()) is not None:

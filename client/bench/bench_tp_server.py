@@ -26,8 +26,8 @@ class ServerLayout:
     def start(self) -> None:
         a, la = self._args, self.layout
         params = {"tensor_parallel_size": str(la.tp), "num_threads": str(la.threads),
-                  "dtype": a.dtype, "max_num_batched_tokens": str(max(2048, a.input_len)),
-                  "kv_cache_memory_gb": "1.0"}
+                  "dtype": a.dtype, "kv_cache_memory_gb": "1.0",
+                  "max_num_batched_tokens": str(max(a.max_num_batched_tokens, a.input_len))}
         self._bench = BenchServer(params, a.model, "tpllm-bench-tp-")
         self._srv = self._bench.server
         warm = make_prompts(self._tokenizer, a.concurrency, a.input_len)
