@@ -285,7 +285,7 @@ void bind_decode_layer(pybind11::module& m) {
   // Without the GIL: a decode step spends nearly all its time in here, and the serving process
   // has other Python threads (the Triton adapter's response thread) that need not wait for it.
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
-  // part_timing: switch on (the sums start from 0) or off; the sums, and how many attention
+  // part_timing: switch on or off (either clears the sums); the sums, and how many attention
   // halves (layers) they cover
   m.def("set_decode_part_timing", [](bool on) {
     part_timing::seconds.fill(0.0);
