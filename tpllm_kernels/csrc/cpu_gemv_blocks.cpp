@@ -181,8 +181,7 @@ void linear_into(const char* name, const at::Tensor& x, const at::Tensor& q,
   const char* q_end = reinterpret_cast<const char*>(qp + N * bytes);
   const char* s_end = reinterpret_cast<const char*>(sp + N * scales);
   constexpr int64_t kAhead = small_m::kPrefetchAhead;
-  const int64_t s_ahead =
-      kAhead / std::max<int64_t>(bytes, 1) * scales * static_cast<int64_t>(sizeof(float));
+  const int64_t s_ahead = kAhead / bytes * scales * static_cast<int64_t>(sizeof(float));
   team::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
