@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_env import DEVICE, IMPORTED_BEFORE  # noqa: E402  (sets TRITON_INTERPRET)
+from tests.triton_env import DEVICE, interpreter_missing  # noqa: E402  (sets TRITON_INTERPRET)
 
 pytest.importorskip("triton")
 
@@ -20,10 +20,9 @@ from backend.model.rotary import RotaryTables  # noqa: E402
 from backend.parallel.context import ParallelContext  # noqa: E402
 from tpllm_kernels import KERNELS_ENV, reference, triton_ops  # noqa: E402
 from tpllm_kernels.metadata import AttentionMetadata, DecodeBatch, PrefillChunk  # noqa: E402
-from tpllm_kernels.triton_util import interpreting  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
-if DEVICE == "cpu" and (IMPORTED_BEFORE or not interpreting()):
+if interpreter_missing():
     pytest.skip("Triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 

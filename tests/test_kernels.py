@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_env import DEVICE, IMPORTED_BEFORE  # noqa: E402  (sets TRITON_INTERPRET)
+from tests.triton_env import DEVICE, interpreter_missing  # noqa: E402  (sets TRITON_INTERPRET)
 
 pytest.importorskip("triton")
 
@@ -23,9 +23,8 @@ from tpllm_kernels import reference as R  # noqa: E402
 from tpllm_kernels import triton_ops as T  # noqa: E402
 from tpllm_kernels.cuda_graphs import GraphRunner, StaticInput  # noqa: E402
 from tpllm_kernels.metadata import DecodeBatch, PrefillChunk  # noqa: E402
-from tpllm_kernels.triton_util import interpreting  # noqa: E402
 
-if DEVICE == "cpu" and (IMPORTED_BEFORE or not interpreting()):
+if interpreter_missing():
     pytest.skip("Triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.bfloat16]
