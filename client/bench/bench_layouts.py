@@ -93,6 +93,12 @@ class OfflineLayout:
         return value
 
 
+def step_budget(args) -> int:
+    """Each layout's max_num_batched_tokens (offline and served): --max-num-batched-tokens, at
+    least one whole prompt."""
+    return max(args.max_num_batched_tokens, args.input_len)
+
+
 def _offline_main(args, layout: Layout, run_fn: RunFn, conn) -> None:
     os.environ["TPLLM_TP_TRANSPORT"] = layout.transport  # read by the group (workers inherit it)
     llm = None
@@ -100,7 +106,7 @@ def _offline_main(args, layout: Layout, run_fn: RunFn, conn) -> None:
         from backend import LLM
         llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=layout.tp,
                   num_threads=layout.threads, pin_cpus=args.pin, kv_cache_memory_gb=1.0,
-                  max_num_batched_tokens=max(args.max_num_batched_tokens, args.input_len))
+                  max_num_batched_tokens=step_budget(args))
         run_fn(args, layout, -1, llm)  # the first request: not counted
         conn.send(("ok", None))
         while (r := conn.recv()) is not None:

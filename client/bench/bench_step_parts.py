@@ -97,13 +97,19 @@ def _in_place(engine, ext, rounds: int) -> dict | None:
             "parts": {k: v / rounds for k, v in got.items()}}
 
 
+def _row(name: str, ms: str, seconds: float, step: float,
+         nbytes: float | None = None) -> list[str]:
+    """A table row: part, its time (`ms`, as printed), share of the step, MB read and GB/s
+    (blank without bytes)."""
+    rate = f"{nbytes / seconds / 1e9:.1f}" if nbytes and seconds > 0 else ""
+    return [name, ms, f"{seconds / step:.0%}", f"{nbytes / 1e6:.0f}" if nbytes else "", rate]
+
+
 def _in_place_rows(in_place: dict, byte_of: dict[str, float]) -> list[list[str]]:
     step, parts = in_place["step"], in_place["parts"]
 
     def row(name: str, seconds: float, nbytes: float | None = None) -> list[str]:
-        rate = f"{nbytes / seconds / 1e9:.1f}" if nbytes and seconds > 0 else ""
-        return [name, bu.fmt_num(seconds * 1e3, 2), f"{seconds / step:.0%}",
-                f"{nbytes / 1e6:.0f}" if nbytes else "", rate]
+        return _row(name, bu.fmt_num(seconds * 1e3, 2), seconds, step, nbytes)
 
     rows = [row("step", step)]
     rows += [row(name, sec, byte_of.get(name)) for name, sec in parts.items()]
@@ -146,16 +152,15 @@ def main(args: argparse.Namespace) -> int:
     rest = med["step"] - med["gemv"] - med["attention"] - med["head"]
     kv = cost.kv_bytes_per_token * args.context
     def row(name: str, part: str, nbytes: float) -> list[str]:
-        return [name, bu.fmt_spread(bu.summarize(times[part]), 1e3, 2),
-                f"{med[part] / med['step']:.0%}", f"{nbytes / 1e6:.0f}",
-                f"{nbytes / med[part] / 1e9:.1f}"]
+        return _row(name, bu.fmt_spread(bu.summarize(times[part]), 1e3, 2), med[part],
+                    med["step"], nbytes)
 
     rows = [row("step", "step", step_bytes),
             row("gemv (layers)", "gemv", weights["layers"]),
             row("attention", "attention", kv),
             row("head (greedy)", "head", weights["lm_head"]),
-            ["rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2),
-             f"{rest / med['step']:.0%}", "", ""],
+            _row("rest (norms, rotary, sync, Python)", bu.fmt_num(rest * 1e3, 2), rest,
+                 med["step"]),
             row("read of the step's bytes", "read", step_bytes)]
     linear_bytes = floors.layer_linear_bytes(engine.runner.model)
     byte_of = {"attention": kv, **linear_bytes}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 
 from client.bench import benchutil as bu
-from client.bench.bench_layouts import Layout, interleave
+from client.bench.bench_layouts import Layout, interleave, step_budget
 from client.serve_overhead import make_prompts, run_server
 from client.server import BenchServer, Server
 
@@ -27,7 +27,7 @@ class ServerLayout:
         a, la = self._args, self.layout
         params = {"tensor_parallel_size": str(la.tp), "num_threads": str(la.threads),
                   "dtype": a.dtype, "kv_cache_memory_gb": "1.0",
-                  "max_num_batched_tokens": str(max(a.max_num_batched_tokens, a.input_len))}
+                  "max_num_batched_tokens": str(step_budget(a))}
         self._bench = BenchServer(params, a.model, "tpllm-bench-tp-")
         self._srv = self._bench.server
         warm = make_prompts(self._tokenizer, a.concurrency, a.input_len)
