@@ -178,9 +178,13 @@ def test_dispatch_picks_the_best_and_refuses_what_the_cpu_lacks(monkeypatch):
     monkeypatch.setenv(cpu_ext.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="must be one of"):
         cpu_ext.selected_variant()
-    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: frozenset(cpu_ext._V4) | {"avx512_bf16"})
+    bf16_cpu = frozenset(cpu_ext._V4) | {"avx512_bf16", "avx512_vnni"}
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: bf16_cpu)
     monkeypatch.delenv(cpu_ext.ISA_ENV)
     assert cpu_ext.selected_variant().name == "avx512_bf16"
+    # the variant's head screen uses VNNI: a CPU without it takes the avx512 kernels
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: bf16_cpu - {"avx512_vnni"})
+    assert cpu_ext.selected_variant().name == "avx512"
 
 
 def test_builds_are_keyed_by_flags_not_by_the_host(monkeypatch):
@@ -222,7 +226,8 @@ def test_setup_builds_only_what_this_cpu_runs(monkeypatch):
     monkeypatch.delenv(cpu_ext.ISA_ENV, raising=False)
     monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: frozenset(cpu_ext._V3))
     assert cpu_ext._build_names([]) == ["avx2"]
-    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: frozenset(cpu_ext._V4) | {"avx512_bf16"})
+    monkeypatch.setattr(cpu_ext, "cpu_flags",
+                        lambda: frozenset(cpu_ext._V4) | {"avx512_bf16", "avx512_vnni"})
     assert cpu_ext._build_names([]) == ["avx512_bf16"]
     assert cpu_ext._build_names(["all"]) == SIMD_VARIANTS
     assert cpu_ext._build_names(["AVX2"]) == ["avx2"]

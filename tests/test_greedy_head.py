@@ -67,7 +67,7 @@ def test_q8_screen_bound_and_choice():
         no_cpu_kernels("no screened greedy head in the C++ kernels here")
     g = torch.Generator().manual_seed(5)
     w = torch.randn(300, 128, generator=g) * 0.05
-    q, scales, coef = q8_copy(w)
+    q, scales, coef, wq_norm = q8_copy(w)
     deq = (q.double().view(300, -1, Q8_GROUP) * scales.double()[..., None]).view(300, 128)
     err = (w.double() - deq).norm(dim=1)
     assert bool((coef.double() >= err).all()) and bool((err > 0).all())
@@ -76,7 +76,7 @@ def test_q8_screen_bound_and_choice():
     # q * scale is exact in float32): no quantization error, the bound is the sums' alone
     half = scales.half().float()
     exact = (q.double().view(300, -1, Q8_GROUP) * half.double()[..., None]).view(300, 128).float()
-    q2, s2, coef2 = q8_copy(exact)
+    q2, s2, coef2, _ = q8_copy(exact)
     assert torch.equal(q2, q) and torch.equal(s2, half)
     sums_alone = 1.05 * 2.2 * 128 * 2.0 ** -24 * exact.double().norm(dim=1)
     torch.testing.assert_close(coef2.double(), sums_alone, rtol=1e-6, atol=0)
@@ -96,6 +96,74 @@ def test_q8_screen_bound_and_choice():
     zero = torch.zeros(40, 64)  # all-zero groups: scale 0, q 0, exact
     tokens, values, _ = GreedyScreen.build(zero, cpu_ops).screen(torch.randn(2, 64), zero)
     assert tokens.tolist() == [0, 0] and values.tolist() == [0.0, 0.0]
+
+
+def _quantize_like_the_kernel(x: torch.Tensor) -> torch.Tensor:
+    """x dequantized as csrc/q8_head_screen.cpp quantizes it: per group of 32, scale = largest
+    magnitude / 127 in float32, codes the nearest integers (ties to even), in float64."""
+    g = x.view(-1, 32)
+    s = (g.abs().amax(dim=1) / 127).double()
+    return (torch.round(g.double() / s[:, None]).clamp(-127, 127) * s[:, None]).view(-1)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_q8_screen_bound_covers_the_quantized_input(m):
+    """The int8 screen quantizes x per group of 32; its bound covers that error: two head rows
+    a few units of a code apart, where x's quantization puts the wrong one ahead in the
+    approximate logits by far more than the float32 sums' bound, still give the exact token
+    and logit (the screen must recompute both). The head is exactly int8 groups, as a GGUF
+    Q8_0 head, so the copy itself adds no error: only the input's term saves the token."""
+    from backend.model.greedy_head import GreedyScreen
+    if not cpu_ops.GREEDY_SCREEN:
+        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+    g = torch.Generator().manual_seed(3)
+    k, n, scale = 64, 40, 2.0 ** -7  # power-of-two scales: every q * scale exact
+    codes = torch.randint(-20, 21, (n, k), generator=g).float()
+    x = torch.randn(m, k, generator=g) * 0.001
+    # group 0 holds an outlier: its step is 0.05, and x[:, 5] = 0.03 rounds up to 0.05; group
+    # 1's largest is x[:, 40] = 0.0301, quantized almost exactly
+    x[:, 0], x[:, 5], x[:, 40] = 6.35, 0.03, 0.0301
+    codes[0] = torch.sign(x[0]) * 60  # rows 0 and 1 lead every other row by far
+    codes[:, 31] = codes[:, 63] = 127  # each group's largest code: its scale is exactly `scale`
+    codes[1] = codes[0]
+    codes[1, 5] += 60
+    codes[1, 40] -= 60  # row 1 - row 0 = 60 * scale * (x5 - x40): slightly below 0
+    w = codes * scale
+    full = cpu_ops.linear(x, w)
+    assert bool((full.argmax(dim=1) == 0).all())
+    approx = torch.stack([w.double() @ _quantize_like_the_kernel(r) for r in x])
+    gap = approx[:, 1] - approx[:, 0]  # the quantized x's view: row 1 ahead by ~0.0093
+    sums_bound = 2 * 1.05 * 2.2 * k * 2.0 ** -24 * x.double().norm(dim=1) * w[0].norm()
+    assert bool((gap > 10 * sums_bound).all())
+    screen = GreedyScreen.build(w, cpu_ops, "q8")
+    tokens, values, candidates = screen.screen(x, w)
+    assert tokens.tolist() == [0] * m
+    assert torch.equal(values, full[:, 0])
+    assert bool((candidates >= 2).all())
+
+
+def test_q8_screen_copies_a_head_with_code_minus_128():
+    """The int8 screen negates the copy's codes by x's signs, which -128 does not survive: a
+    head whose exact int8 copy holds -128 gets a copy of its own for the screen (+-127), and
+    stays exact."""
+    from backend.model.greedy_head import GreedyScreen
+    if not cpu_ops.GREEDY_SCREEN:
+        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(-127, 128, (300, 64), generator=g).to(torch.int8)
+    codes[4, :32] = -128  # row 4's first group: all -128
+    scales = torch.full((300, 2), 2.0 ** -9)
+    w = (codes.float().view(300, 2, 32) * scales[..., None]).view(300, 64)
+    w.block_copy = ("q8", codes, scales)
+    screen = GreedyScreen.build(w, cpu_ops, "q8")
+    assert screen.copies[0] is not codes and int(screen.copies[0].min()) >= -127
+    x = torch.randn(5, 64, generator=g)
+    x[0, :32] = -1.0  # row 4 wins: its -128s against negative inputs
+    full = cpu_ops.linear(x, w)
+    tokens, values, _ = screen.screen(x, w)
+    assert int(tokens[0]) == 4
+    assert torch.equal(tokens, full.argmax(dim=1))
+    assert torch.equal(values, full.gather(1, tokens[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("m", [1, 2])

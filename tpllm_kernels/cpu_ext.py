@@ -2,9 +2,9 @@
 and picks the best level the running CPU supports when the module loads (as ATen dispatches its own
 CPU kernels), instead of building for the build host's CPU (-march=native).
 
-Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16: the bf16 GEMV's vdpbf16ps),
-avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FMA + F16C). The same sources build every variant:
-the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
+Variants (best first): avx512_bf16 (x86-64-v4 + AVX512-BF16 and VNNI: the bf16 GEMV's vdpbf16ps,
+the int8 head screen's vpdpbusd), avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FMA + F16C). The
+same sources build every variant: the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
 ones) and compute the same float32 bits on each (the bf16 GEMV differs: vdpbf16ps vs widened
 FMAs). `make setup` (python -m tpllm_kernels.cpu_ext) builds only the variant this CPU runs: the
 others cannot be loaded here, and each costs minutes of compile. A variant missing at load is built
@@ -72,7 +72,10 @@ class Variant:
 
 
 X86_VARIANTS = (  # best first
-    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 + ("avx512_bf16",)),
+    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids on, Zen 4 and 5) has VNNI too:
+    # the int8 head screen's vpdpbusd (csrc/q8_head_screen.cpp)
+    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+            _V4 + ("avx512_bf16", "avx512_vnni")),
     Variant("avx512", ("-march=x86-64-v4",), _V4),
     Variant("avx2", ("-march=x86-64-v3",), _V3),
 )

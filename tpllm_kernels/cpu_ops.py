@@ -130,15 +130,17 @@ def greedy_argmax_screened(x: torch.Tensor, weight: torch.Tensor, low: torch.Ten
 
 
 def greedy_argmax_screened_q8(x: torch.Tensor, weight: torch.Tensor, q: torch.Tensor,
-                              scales: torch.Tensor, coef: torch.Tensor
+                              scales: torch.Tensor, coef: torch.Tensor, wq_norm: torch.Tensor
                               ) -> tuple[torch.Tensor, ...] | None:
     """greedy_argmax_screened from an int8 copy of the head in groups of 32 along the row
-    (q, their float32 scales; backend/model/greedy_head.py's q8_copy), a logit within
-    |x| * coef[n]. A bf16 head (x bf16, the rows small_m_linear_bf16 takes) gets linear's bf16
-    logits: the first of the largest rounded values. None where it does not apply."""
+    (q in [-127, 127], their float32 scales, the rows' norms wq_norm: backend/model/
+    greedy_head.py's q8_copy), x quantized alike (csrc/q8_head_screen.cpp), a logit within
+    max(|x|, |x'|) * coef[n] + 1.05 |x - x'| * wq_norm[n]. A bf16 head (x bf16, the rows
+    small_m_linear_bf16 takes) gets linear's bf16 logits: the first of the largest rounded
+    values. None where it does not apply."""
     if not (_BF16_GEMV and (_small_m_f32(x, weight) or _small_m_bf16(x, weight))):
         return None
-    return tuple(_ext.greedy_argmax_screened_q8(x, weight, q, scales, coef))
+    return tuple(_ext.greedy_argmax_screened_q8(x, weight, q, scales, coef, wq_norm))
 
 
 def _plain_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -12,13 +12,19 @@ rank instead of the logits (ParallelLMHead.argmax_logits).
 
 Two copies, by what the hidden size allows:
 - "q8" (hidden a multiple of 32): int8 in groups of 32 along the row, a float32 scale each,
-  1.125 bytes a weight (SmolLM2: 32 MB). The bound is per row and measured, not assumed:
-  |approx_n - exact_n| <= |x| (e_n + g |q_n s_n|) with e_n = |w_n - q_n s_n| computed in float64
-  at load (SmolLM2's head came from a GGUF whose blocks are exactly such groups: e_n = 0) and
-  g = 2.2 K 2^-24 for the float32 sums; 5% on top covers the norms' own roundings.
+  1.125 bytes a weight (SmolLM2: 32 MB). x is quantized the same way at each step and the
+  kernel sums integer products (csrc/q8_head_screen.cpp). The bound is per row and measured,
+  not assumed: with x' the dequantized x,
+    |approx_n - exact_n| <= max(|x|, |x'|) coef_n + 1.05 |x - x'| |wq_n|,
+    coef_n = 1.05 (e_n + g |wq_n|),
+  e_n = |w_n - q_n s_n| computed in float64 at load (SmolLM2's head came from a GGUF whose
+  blocks are exactly such groups: e_n = 0), wq_n = q_n s_n, g = 2.2 K 2^-24 for the float32
+  sums (both the screen's and the exact logit's), and |x - x'|, |x'| measured in float64 each
+  step; the 5% covers the norms' own roundings.
 - "bf16": 2 bytes a weight (57 MB). With u = 2^-8 and x rounded to bf16 too (AVX512-BF16),
   |approx_n - exact_n| <= (2u + u^2 + 2 K 2^-24) * sum_k |x_k w_nk| <= eps |x| |w_n|.
-Both hand the kernel coef[n] with |approx_n - exact_n| <= |x| coef[n].
+The bf16 kernel takes coef[n] with |approx_n - exact_n| <= |x| coef[n]; the q8 kernel coef and
+the norms |wq_n| (wq_norm).
 A bf16 head (dtype="bfloat16") gets the q8 copy too (0.56x its bytes), for the batches whose
 logits the bf16 GEMV computes (1-2 rows): those logits are float32 sums rounded to bf16, so the
 candidates are every row whose sum can round to the best lower bound's bf16 value or above (g
@@ -61,21 +67,28 @@ def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) 
     return torch.zeros(shape, dtype=dtype, device=like.device)
 
 
-def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V]) of a float32 or bf16
-    head: each group's scale is its largest magnitude / 127 (rounded to float32; q is the
-    nearest integer to w / scale, clamped to +-127), and coef the row's bound factor (module
-    doc; a bf16 head's own float32 sum rounds too: g |w_n| more), rounded up to float32.
+def q8_copy(weight: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [V, K], scales float32 [V, K / Q8_GROUP], coef float32 [V], wq_norm float32 [V])
+    of a float32 or bf16 head: each group's scale is its largest magnitude / 127 (rounded to
+    float32; q is the nearest integer to w / scale, clamped to +-127), coef the row's bound
+    factor (module doc; a bf16 head's own float32 sum rounds too: g |w_n| more) and wq_norm the
+    norm of the row q * scales, both rounded up to float32.
     A head with an exact int8 block copy (tpllm_kernels/cpu_blocks.py: the GEMV reads it for
-    the full logits) shares its q and scales, the ones computed here (e_n = 0)."""
+    the full logits) shares its q and scales, the ones computed here (e_n = 0), unless a code
+    is -128: the kernel negates codes, so that head gets a copy of its own."""
     v, k = weight.shape
     groups = k // Q8_GROUP
     copy = getattr(weight, "block_copy", None)
     exact = copy[1:] if copy is not None and copy[0] == "q8" else None
+    if exact and int(exact[0].min()) < -127:
+        exact = None
     q = exact[0] if exact else _host_zeros((v, k), torch.int8, weight)
     scales = exact[1] if exact else _host_zeros((v, groups), torch.float32, weight)
     coef = torch.empty(v, dtype=torch.float32)
+    wq_norm = torch.empty(v, dtype=torch.float32)
     g = _sum_rounding(k)
+    up = torch.tensor(float("inf"))
     for start in range(0, v, _SLICE_ROWS):
         w = weight[start:start + _SLICE_ROWS].double().view(-1, groups, Q8_GROUP)
         rows = slice(start, start + w.shape[0])
@@ -87,14 +100,16 @@ def q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
                              torch.zeros((), dtype=torch.float64)).clamp_(-127, 127)
         wq = qq * s[..., None]  # exact in float64: 8-bit integers times float32 scales
         err = (w - wq).flatten(1).norm(dim=1)
-        bound = 1.05 * (err + g * wq.flatten(1).norm(dim=1))
+        norm = wq.flatten(1).norm(dim=1)
+        bound = 1.05 * (err + g * norm)
         if weight.dtype == torch.bfloat16:  # the exact logit is itself a float32 sum
             bound += 1.05 * g * w.flatten(1).norm(dim=1)
         if not exact:
             q[rows] = qq.flatten(1).to(torch.int8)
             scales[rows] = s.float()
-        coef[rows] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
-    return q, scales, coef
+        coef[rows] = torch.nextafter(bound.float(), up)
+        wq_norm[rows] = torch.nextafter(norm.float(), up)
+    return q, scales, coef, wq_norm
 
 
 @dataclass

@@ -54,9 +54,10 @@ void small_m_linear_bf16_into(const at::Tensor& x, const at::Tensor& weight,
 // every row's argmax of x @ weight^T and its logit, mostly from weight's bf16 copy (cpu_gemv_bf16.cpp)
 std::vector<at::Tensor> greedy_argmax_screened(at::Tensor x, at::Tensor weight,
                                                   at::Tensor low, at::Tensor coef);
+// the same from an int8 copy, x quantized per group for integer dot products (q8_head_screen.cpp)
 std::vector<at::Tensor> greedy_argmax_screened_q8(at::Tensor x, at::Tensor weight,
                                                      at::Tensor q, at::Tensor scales,
-                                                     at::Tensor coef);
+                                                     at::Tensor coef, at::Tensor wq_norm);
 // shm_all_reduce with the sum written to `out` (x itself allowed: a fused kernel's own partial,
 // no allocation); returns whether every rank arrived within the spins (else out is untouched)
 bool shm_all_reduce_into(const at::Tensor& x, at::Tensor& out, const at::Tensor& slots,
