@@ -97,6 +97,38 @@ def test_paged_decode_attention_verify_rows_read_the_context_once(hq, hkv, d, dt
         assert torch.equal(got[i:i + 1], alone), i
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_touch_pass_is_a_speed_switch(dtype, monkeypatch):
+    """The in-order touch of each K/V block (csrc/attn_simd.h) only reads ahead: on or off, the
+    same bits. It is on but for Intel CPUs (cpu_ops._attention_touch_pass_by_default), as set
+    when the module loads."""
+    import tpllm_kernels.cpu_ext as ext
+    ext_mod = cpu_ops._ext
+    assert ext_mod.attention_touch_pass() == cpu_ops._attention_touch_pass_by_default()
+    for vendor, on in (("GenuineIntel", False), ("AuthenticAMD", True), ("", True)):
+        monkeypatch.setattr(ext, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_ops._attention_touch_pass_by_default() == on
+    g = torch.Generator().manual_seed(4)
+    nb, bs, hq, hkv = 160, 16, 9, 3
+    kc, vc = (torch.randn(nb, bs, hkv, 64, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([700, 33, 1])
+    tables = torch.randperm(nb, generator=g)[:3 * 44].view(3, 44)
+    q = torch.randn(3, hq, 64, generator=g).to(dtype)
+    batch = DecodeBatch(tables, lens, int(lens.max()), bs)
+    default = ext_mod.attention_touch_pass()
+    try:
+        got = {}
+        for on in (True, False):
+            ext_mod.set_attention_touch_pass(on)
+            assert ext_mod.attention_touch_pass() == on
+            got[on] = cpu_ops.decode_attention(q, kc, vc, batch, 0.125)
+    finally:
+        ext_mod.set_attention_touch_pass(default)
+    assert torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True], ref.decode_attention(q, kc, vc, batch, 0.125),
+                               **TOL[dtype])
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, cpu_ops.SMALL_M])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False),
                                         (64, 1024, False)])

@@ -259,6 +259,18 @@ def _mkl_by_default() -> bool:
 
 
 GEMM_LIBRARY = _gemm_library()
+
+
+def _attention_touch_pass_by_default() -> bool:
+    """Whether head_dim-64 decode attention touches each K/V block in address order before its
+    head-by-head passes (csrc/attn_simd.h): yes but on Intel CPUs. It doubled the attention's
+    rate on a Zen 4 and cost 10-15% of it on an Intel Xeon (docs/decisions.md)."""
+    from tpllm_kernels.cpu_ext import cpu_vendor
+    return cpu_vendor() != "GenuineIntel"
+
+
+if _ext is not None and hasattr(_ext, "set_attention_touch_pass"):
+    _ext.set_attention_touch_pass(_attention_touch_pass_by_default())
 SMALL_M = 48 if GEMM_LIBRARY == "onednn" else 64  # the C++ GEMV's most rows (top of the file)
 
 

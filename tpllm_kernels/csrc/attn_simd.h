@@ -12,6 +12,7 @@
 
 #if defined(TPLLM_SIMD16)
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,7 +23,11 @@ namespace simd {
 // block head by head (rows `row` apart, a head's 64 columns each), an order the hardware
 // prefetchers do not follow; touching the block in order first streams it at close to a plain
 // read's rate, about twice the head-by-head rate (docs/decisions.md, "Decode attention touches
-// each K/V block in address order first").
+// each K/V block in address order first"). That was an AMD Zen 4; on the Intel Xeon measured
+// (AVX-512 + AMX) the pass cost 10-15% of the attention instead, so it is switched per CPU
+// vendor at load (cpu_ops.py, set_attention_touch_pass; the same bits either way).
+extern std::atomic<bool> g_attention_touch_pass;
+
 template <typename T>
 inline void touch_lines(const T* p, int64_t n) {
   const volatile char* c = reinterpret_cast<const volatile char*>(p);
@@ -34,7 +39,7 @@ inline void touch_lines(const T* p, int64_t n) {
 // block before it. Why spread, and why L2: a block's 192 prefetches issued at once (into L1, two
 // blocks ahead) wait on the core's few outstanding misses before any arithmetic runs, and a
 // 32 KB L1 cannot hold the block being read plus two 12 KB blocks in flight. Spread into L1, or
-// into L2 three or four blocks ahead, or without the in-order touch pass (touch_lines) were all
+// into L2 three or four blocks ahead, or (Zen 4) without the in-order touch pass were all
 // slower, with the same bits out (docs/decisions.md, "...and prefetches the block two ahead").
 struct SpreadPrefetch {
   const char* next = nullptr;
@@ -139,6 +144,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     v_tiles += (group_start[kh + 1] - group_start[kh] + GMAX - 1) / GMAX;
   const int64_t k_share = (block_lines + k_tiles - 1) / k_tiles;
   const int64_t v_share = (block_lines + v_tiles * BS - 1) / std::max<int64_t>(1, v_tiles * BS);
+  const bool touch = g_attention_touch_pass.load(std::memory_order_relaxed);
   SpreadPrefetch pf;
   for (int64_t b = 0; b < std::min(kAhead, nblk); ++b) {
     pf.start(kp + table[blk_begin + b] * block_stride, block_lines);
@@ -154,7 +160,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* kblk = kp + table[blk] * block_stride;
-    touch_lines(kblk, n * row);
+    if (touch) touch_lines(kblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       const T* kb = kblk + kh * 64;
       for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -182,7 +188,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const int64_t blk = blk_begin + b, base = blk * BS - t0;
     const int64_t n = std::min(BS, L - blk * BS);
     const T* vblk = vp + table[blk] * block_stride;
-    touch_lines(vblk, n * row);
+    if (touch) touch_lines(vblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       const T* vb = vblk + kh * 64;
       for (int64_t g0 = group_start[kh]; g0 < group_start[kh + 1]; g0 += GMAX) {

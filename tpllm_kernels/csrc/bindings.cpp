@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_thread_team(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("set_attention_touch_pass", &set_attention_touch_pass);
+  m.def("attention_touch_pass", &attention_touch_pass);
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("prefill_attention_supported", &prefill_attention_supported);
   m.def("add_rms_norm_", &add_rms_norm_);

@@ -45,6 +45,10 @@ void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
                                  const at::Tensor& kv_index, int64_t num_splits,
                                  at::Tensor& out);
 bool bf16_gemv_supported();
+// whether head_dim-64 decode attention touches each K/V block in address order first
+// (attn_simd.h says why it is a switch; decode_attention.cpp)
+void set_attention_touch_pass(bool on);
+bool attention_touch_pass();
 // inputs greedy_argmax_screened_q8 takes per pass over the head (8 AVX-512, 4 AVX2)
 int64_t q8_screen_inputs();
 at::Tensor small_m_linear_bf16(at::Tensor x, at::Tensor weight,

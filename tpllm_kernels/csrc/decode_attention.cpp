@@ -304,6 +304,26 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
+#if defined(TPLLM_SIMD16)
+std::atomic<bool> simd::g_attention_touch_pass{true};
+#endif
+
+void set_attention_touch_pass(bool on) {
+#if defined(TPLLM_SIMD16)
+  simd::g_attention_touch_pass.store(on, std::memory_order_relaxed);
+#else
+  (void)on;
+#endif
+}
+
+bool attention_touch_pass() {
+#if defined(TPLLM_SIMD16)
+  return simd::g_attention_touch_pass.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 // q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, MB]; context_lens [B];
 // kv_index [Hq] (local KV head of each query head); num_splits per context (0 = by batch size
 // and threads) -> out [B, Hq, D].
