@@ -219,5 +219,7 @@ def test_bench_step_parts_smoke(tmp_path: Path) -> None:
     assert in_place["step"] > 0 and in_place["layers_per_step"] > 0
     assert all(in_place["parts"][p] > 0 for p in ("qkv", "attention", "gate_up", "down"))
     assert sum(in_place["parts"].values()) < in_place["step"]
+    assert 0 <= in_place["team_wait"] < in_place["step"]
     assert "timed in place" in proc.stdout and "head, sampling, Python" in proc.stdout
+    assert "joins' waits" in proc.stdout
     assert data["info"]["cpu"] in proc.stdout  # the report names the CPU

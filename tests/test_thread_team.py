@@ -238,6 +238,20 @@ def test_team_and_omp_compute_the_same_bits(dtype, default_model_dir):
         assert torch.equal(results["team"][key], want), key
 
 
+def test_caller_wait_is_counted():
+    """team_stats' caller_wait_ns grows by the time the caller, done with its own chunks, waits
+    for a worker's: 16 chunks of 1 ms on the caller, 60 ms on the worker, so the caller is done
+    after ~15 ms and waits ~45 for the worker's first chunk. (A worker that never woke in time
+    leaves every chunk to the caller: nothing held, nothing to wait for; tried again.)"""
+    for _ in range(5):
+        waited = cpu_threading.team_stats()["caller_wait_ns"]
+        held = ext._parallel_hold(64, 1, 60_000)
+        if held:
+            assert cpu_threading.team_stats()["caller_wait_ns"] - waited >= 10_000_000
+            return
+    pytest.skip("the worker took no chunk in 5 loops (a busy machine)")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_read_probe_sums_every_word_once(threads):
     # the benchmarks' read-bandwidth probe: one slice per thread, the slices cover the buffer

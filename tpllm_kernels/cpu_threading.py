@@ -72,5 +72,6 @@ def set_team_spin_us(us: int) -> None:
 
 def team_stats() -> dict:
     """Counters since the module loaded: loops published (jobs), loops run inline, chunks and
-    those the workers ran, futex wakes of sleeping workers, worker parks, caller sleeps."""
+    those the workers ran, futex wakes of sleeping workers, worker parks, caller sleeps, and
+    the nanoseconds the caller waited, its own chunks done, for the workers' (caller_wait_ns)."""
     return dict(_ext.team_stats()) if AVAILABLE else {}

@@ -15,7 +15,9 @@ hold. Medians over --rounds rounds, with min-max; the CPU and its ISA head the r
 
 Then --rounds more steps with the fused layer stack timing its own parts in place
 (decode_layer.cpp's part_timing): what each part costs inside the step, beside the others'
-memory traffic, as a mean per step; the head, sampling and Python are the step's remainder.
+memory traffic, as a mean per step; the head, sampling and Python are the step's remainder. The
+last row: how long the calling thread waited, at the ends of the thread team's parallel loops,
+for the other thread's chunks (part of the rows above: the synchronisation's cost).
 """
 from __future__ import annotations
 
@@ -79,10 +81,12 @@ def _parts(llm: LLM, context: int):
 
 
 def _in_place(engine, ext, rounds: int) -> dict | None:
-    """Mean seconds per step of each part of the fused layer stack, timed inside `rounds` steps
-    (None without the C++ kernels)."""
+    """Mean seconds per step of each part of the fused layer stack, timed inside `rounds` steps,
+    and of the calling thread's waits at the ends of the team's parallel loops (inside those
+    parts and the head: the other thread still on its chunks). None without the C++ kernels."""
     if ext is None or not hasattr(ext, "set_decode_part_timing"):
         return None
+    waited0 = ext.team_stats()["caller_wait_ns"]
     ext.set_decode_part_timing(True)
     try:
         t0 = time.perf_counter()
@@ -92,9 +96,10 @@ def _in_place(engine, ext, rounds: int) -> dict | None:
         got = dict(ext.decode_part_seconds())
     finally:
         ext.set_decode_part_timing(False)
+    waited = (ext.team_stats()["caller_wait_ns"] - waited0) * 1e-9
     layers = got.pop("layers")
     return {"step": step, "layers_per_step": layers / rounds,
-            "parts": {k: v / rounds for k, v in got.items()}}
+            "parts": {k: v / rounds for k, v in got.items()}, "team_wait": waited / rounds}
 
 
 def _row(name: str, ms: str, seconds: float, step: float,
@@ -114,6 +119,7 @@ def _in_place_rows(in_place: dict, byte_of: dict[str, float]) -> list[list[str]]
     rows = [row("step", step)]
     rows += [row(name, sec, byte_of.get(name)) for name, sec in parts.items()]
     rows.append(row("head, sampling, Python (step - parts)", step - sum(parts.values())))
+    rows.append(row("of all these, the joins' waits", in_place["team_wait"]))
     return rows
 
 

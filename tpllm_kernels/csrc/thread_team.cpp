@@ -132,7 +132,8 @@ thread_local bool t_in_task = false;  // inside a chunk: nested loops run inline
 struct Stats {
   std::atomic<uint64_t> jobs{0}, inline_runs{0}, chunks{0}, worker_chunks{0}, wakes{0},
       parks{0}, caller_sleeps{0}, caller_sleep_ns{0}, long_sleeps{0}, spin_stalls{0},
-      moved_off{0}, sat_out{0}, contended{0};
+      moved_off{0}, sat_out{0}, contended{0},
+      caller_wait_ns{0};  // the caller done with its chunks, waiting for the workers' (sleeps too)
 };
 
 struct Team {
@@ -399,7 +400,8 @@ void run(int64_t begin, int64_t end, int64_t grain, TaskFn fn, const void* ctx) 
   // time, so the caller spins that long (at least the workers' spin) before it sleeps
   const int64_t t0 = now_ns();
   const int64_t mine = t.work(e, 0);
-  const int64_t per_chunk = mine > 0 ? (now_ns() - t0) / mine : 0;
+  const int64_t t1 = now_ns();
+  const int64_t per_chunk = mine > 0 ? (t1 - t0) / mine : 0;
   if (t.done.load(std::memory_order_acquire) != n) {
     const int64_t until = now_ns() + std::max<int64_t>(2 * per_chunk, g_spin_ns.load());
     for (int k = 1; t.done.load(std::memory_order_acquire) != n; ++k) {
@@ -422,6 +424,7 @@ void run(int64_t begin, int64_t end, int64_t grain, TaskFn fn, const void* ctx) 
         break;
       }
     }
+    t.stats.caller_wait_ns.fetch_add(now_ns() - t1, std::memory_order_relaxed);
   }
   std::exception_ptr err = t.error;
   hold.unlock();
@@ -495,6 +498,7 @@ void bind_thread_team(pybind11::module& m) {
     d["moved_off"] = s.moved_off.load();
     d["sat_out"] = s.sat_out.load();
     d["contended"] = s.contended.load();
+    d["caller_wait_ns"] = s.caller_wait_ns.load();
     d["workers"] = team::the_team().spawned;
     return d;
   });
@@ -524,6 +528,20 @@ void bind_thread_team(pybind11::module& m) {
       team::parallel_for(0, n, grain, body);
     }
     return py::make_tuple(counts, who);
+  });
+  // _parallel_hold: a loop over [0, n) whose chunks each sleep 1 ms on the caller (time for a
+  // worker to wake and claim some) and `hold_us` on any other thread (a worker still busy when
+  // the caller is done); returns the chunks the workers held
+  m.def("_parallel_hold", [](int64_t n, int64_t grain, int64_t hold_us) {
+    py::gil_scoped_release no_gil;
+    const auto caller = std::this_thread::get_id();
+    std::atomic<int64_t> held{0};
+    team::parallel_for(0, n, grain, [&](int64_t, int64_t) {
+      const bool mine = std::this_thread::get_id() == caller;
+      std::this_thread::sleep_for(std::chrono::microseconds(mine ? 1000 : hold_us));
+      if (!mine) ++held;
+    });
+    return held.load();
   });
   // _parallel_throw: a loop over [0, n) whose chunk containing index `at` throws
   m.def("_parallel_throw", [](int64_t n, int64_t grain, int64_t at) {
