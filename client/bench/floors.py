@@ -149,8 +149,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, runs: int = 5) -> 
 def read_bandwidth_gbs(gib: float = 1.0, runs: int = 5) -> float:
     """Best-of-`runs` GB/s of reading a buffer far larger than the caches, the faster of two
     readers: torch's float sum, and (when the kernels load) their own probe, which reads one
-    contiguous slice per thread as a decode GEMV does (tpllm_kernels/csrc/thread_team.cpp). Neither
-    is always the faster on this VM. The buffer is filled with ones (not torch.empty) so its
+    contiguous slice per thread as a decode GEMV does (csrc/thread_team_bindings.cpp). Neither is
+    always the faster on this VM. The buffer is filled with ones (not torch.empty) so its
     pages are really mapped and the reads reach DRAM, not the zero page."""
     buf = torch.ones(int(gib * 2**30) // 64 * 16, dtype=torch.float32)
     from tpllm_kernels import cpu_ext

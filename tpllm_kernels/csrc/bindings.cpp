@@ -1,13 +1,13 @@
 // The Python module: every kernel function the extension exposes, defined in the other
 // translation units (declared in cpu_kernels.h). The only file that needs pybind11 and torch's
-// Python bindings for its own code (decode_layer.cpp and thread_team.cpp bind their classes
-// and switches themselves).
+// Python bindings for its own code (decode_layer.cpp and thread_team_bindings.cpp bind their
+// classes and switches themselves).
 #include <torch/csrc/utils/pybind.h>
 
 #include "cpu_kernels.h"
 
 void bind_decode_layer(pybind11::module& m);  // DecodeLayer and decode_stack (decode_layer.cpp)
-void bind_thread_team(pybind11::module& m);   // the worker team's switches (thread_team.cpp)
+void bind_thread_team(pybind11::module& m);   // the team's switches (thread_team_bindings.cpp)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &small_m_linear);

@@ -1,9 +1,9 @@
 // The tensor-level CPU kernels the Python module exposes (bindings.cpp), for other translation
 // units that compose them (decode_layer.cpp). Definitions: decode_attention.cpp,
 // elementwise.cpp, shm_collectives.cpp, cpu_gemv.cpp, cpu_gemv_bf16.cpp, cpu_gemv_blocks.cpp,
-// lora_delta.cpp, prefill_attention.cpp. Only ATen's Tensor here, not <torch/extension.h>: each translation unit
+// q8_head_screen.cpp, lora_delta.cpp, prefill_attention.cpp. Only ATen's Tensor here, not <torch/extension.h>: each translation unit
 // that includes the latter costs ~15-30 s of the kernel build, so only those that bind Python
-// types (bindings.cpp, decode_layer.cpp, thread_team.cpp) do.
+// types (bindings.cpp, decode_layer.cpp, thread_team_bindings.cpp) do.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>

@@ -29,6 +29,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace team {
 
@@ -50,6 +52,8 @@ inline Mode mode() { return static_cast<Mode>(g_mode.load(std::memory_order_rela
 void set_mode(Mode m);
 int64_t spin_us();  // how long an idle worker spins before it sleeps
 void set_spin_us(int64_t us);
+// the team's counters since the module loaded, by name (Python: team_stats), and its workers
+std::vector<std::pair<const char*, uint64_t>> stats();
 
 using TaskFn = void (*)(const void* ctx, int64_t begin, int64_t end);
 
