@@ -263,8 +263,8 @@ GEMM_LIBRARY = _gemm_library()
 
 def _attention_touch_pass_by_default() -> bool:
     """Whether head_dim-64 decode attention touches each K/V block in address order before its
-    head-by-head passes (csrc/attn_simd.h): yes but on Intel CPUs. It doubled the attention's
-    rate on a Zen 4 and cost 10-15% of it on an Intel Xeon (docs/decisions.md)."""
+    head-by-head passes (csrc/attn_simd.h): yes but on Intel CPUs. It sped the attention up on
+    a Zen 4 and slowed it down on an Intel Xeon (`bench step-parts`; docs/decisions.md)."""
     from tpllm_kernels.cpu_ext import cpu_vendor
     return cpu_vendor() != "GenuineIntel"
 

@@ -24,8 +24,9 @@ namespace simd {
 // prefetchers do not follow; touching the block in order first streams it at close to a plain
 // read's rate, about twice the head-by-head rate (docs/decisions.md, "Decode attention touches
 // each K/V block in address order first"). That was an AMD Zen 4; on the Intel Xeon measured
-// (AVX-512 + AMX) the pass cost 10-15% of the attention instead, so it is switched per CPU
-// vendor at load (cpu_ops.py, set_attention_touch_pass; the same bits either way).
+// (AVX-512 + AMX) the pass slowed the attention instead (`bench step-parts`; "...except on
+// Intel CPUs"), so it is switched per CPU vendor at load (cpu_ops.py,
+// set_attention_touch_pass; the same bits either way).
 extern std::atomic<bool> g_attention_touch_pass;
 
 template <typename T>

@@ -7,16 +7,17 @@
 // exactly in int32 (AVX512-VNNI vpdpbusd: |x| as the unsigned operand, the copy's codes
 // negated where x is negative; AVX-512BW and AVX2: vpmaddubsw + vpmaddwd, which cannot saturate
 // at |codes| <= 127), then scaled by both groups' scales in float32. Why: the float32 screen
-// widened every code to float (two instructions per 16) and spent three more per 32: its
-// batch-1 head took twice the time its bytes take to stream (docs/decisions.md, "The int8
-// head screen multiplies integers").
+// widened every code to float (two instructions per 16) and spent three more per 32; integer
+// products take about a third of the instructions per byte, and the screen's loads wait less
+// behind them (`bench step-parts`' head row; docs/decisions.md, "The int8 head screen
+// multiplies integers").
 //
 // The bound (backend/model/greedy_head.py): with x' the dequantized x,
 //   |approx_n - exact_n| <= max(|x|, |x'|) coef[n] + 1.05 |x - x'| wq_norm[n]
 // where coef covers the copy's own error and the float32 sums, and wq_norm[n] = |q_n scales_n|:
 // the first term as the float32 screen's, the second x's quantization (Cauchy-Schwarz).
 // |x - x'| and |x'| are measured in float64 for each step. greedy_pick.h then recomputes in
-// float32 every index the bound cannot rule out (SmolLM2: median 1, mean ~40 of 49,152).
+// float32 every index the bound cannot rule out (SmolLM2: a median of 1 of its 49,152).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -74,12 +75,13 @@ struct QuantizedX {
         const float* xg = x + m * K + g * kGroup;
         float amax = 0.f;
         for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
-        // a group that is not finite leaves codes 0: the pick skips such rows (no bound holds)
+        // values that are not finite get code 0 (an inf group, scale 0 too): the pick skips
+        // such rows (no bound holds); std::max above passes NaNs by, so each value is checked
         const float s = std::isfinite(amax) ? amax / 127.f : 0.f;
         scale[m * G + g] = s;
         for (int64_t i = 0; i < kGroup; ++i) {
           const int64_t at = m * padded + g * kGroup + i;
-          const float r = s > 0.f ? std::nearbyint(xg[i] / s) : 0.f;
+          const float r = s > 0.f && std::isfinite(xg[i]) ? std::nearbyint(xg[i] / s) : 0.f;
           const int c = static_cast<int>(std::clamp(r, -127.f, 127.f));
           code[at] = static_cast<int8_t>(c);
           mag[at] = static_cast<uint8_t>(c < 0 ? -c : c);
