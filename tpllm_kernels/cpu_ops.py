@@ -259,6 +259,7 @@ def _mkl_by_default() -> bool:
 
 
 GEMM_LIBRARY = _gemm_library()
+SMALL_M = 48 if GEMM_LIBRARY == "onednn" else 64  # the C++ GEMV's most rows (top of the file)
 
 
 def _attention_touch_pass_by_default() -> bool:
@@ -269,9 +270,8 @@ def _attention_touch_pass_by_default() -> bool:
     return cpu_vendor() != "GenuineIntel"
 
 
-if _ext is not None and hasattr(_ext, "set_attention_touch_pass"):
+if _ext is not None:
     _ext.set_attention_touch_pass(_attention_touch_pass_by_default())
-SMALL_M = 48 if GEMM_LIBRARY == "onednn" else 64  # the C++ GEMV's most rows (top of the file)
 
 
 def pack_linear_weight(weight: torch.Tensor, rows: int) -> int:
