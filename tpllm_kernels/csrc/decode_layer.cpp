@@ -155,9 +155,9 @@ std::vector<at::Tensor> decode_attention_half(
 // rank's partial sum, without down's bias) into the workspace, with LoRA deltas as the attention
 // half's. Returns {partial down output, residual}.
 std::vector<at::Tensor> decode_mlp_half(const DecodeLayer& l, at::Tensor x,
-                                           at::Tensor residual,
-                                           const c10::optional<at::Tensor>& lora_ids,
-                                           Workspace& ws) {
+                                        at::Tensor residual,
+                                        const c10::optional<at::Tensor>& lora_ids,
+                                        Workspace& ws) {
   using namespace part_timing;
   timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm2, l.eps2); });
   timed(kGateUp, [&] { project(x, l.gate_up_w, l.gate_up_b, l.gate_up_l, lora_ids, ws.gate_up); });
@@ -174,11 +174,11 @@ std::vector<at::Tensor> decode_mlp_half(const DecodeLayer& l, at::Tensor x,
 // after the last layer, bit-identical to calling the halves with the biases added in between.
 // lora_ids: each row's LoRA adapter (0: none), absent when no row has one.
 std::vector<at::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, at::Tensor x,
-                                        at::Tensor residual, bool add_residual,
-                                        at::Tensor cos, at::Tensor sin,
-                                        at::Tensor slot_mapping, at::Tensor block_tables,
-                                        at::Tensor context_lens,
-                                        c10::optional<at::Tensor> lora_ids) {
+                                     at::Tensor residual, bool add_residual,
+                                     at::Tensor cos, at::Tensor sin,
+                                     at::Tensor slot_mapping, at::Tensor block_tables,
+                                     at::Tensor context_lens,
+                                     c10::optional<at::Tensor> lora_ids) {
   if (layers.empty()) return {x, residual};
   Workspace ws = layers[0].workspace(x);
   for (const auto& l : layers) {

@@ -43,7 +43,8 @@ inline float bf16_step_below(float v) {
 constexpr double kDenormalMargin = 1e-20;
 
 // How far approx[b, n] may be from the exact logit: s1[b] * coef[n] + s2[b] * coef2[n].
-// Without s1, s1[b] = |x_b|; without coef2 the second term is 0.
+// Without s1, s1[b] = |x_b|; without coef2 the second term is 0. A given s1[b] must be
+// non-finite wherever x_b is (the pick then skips the row).
 struct Bound {
   const float* coef;
   const double* s1 = nullptr;
@@ -88,11 +89,16 @@ std::vector<at::Tensor> pick_exact(const float* xf, int64_t B, int64_t K, int64_
   // a row's passes are serial, so its token does not depend on the split
   team::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* xr = xf + b * K;
-      double sq = 0.0;
-      for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
-      if (!std::isfinite(sq)) continue;  // inf or NaN somewhere: no bound holds
-      const double s = bound.s1 ? bound.s1[b] : std::sqrt(sq);
+      double s;
+      if (bound.s1) {
+        s = bound.s1[b];
+      } else {
+        const float* xr = xf + b * K;
+        double sq = 0.0;
+        for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
+        s = std::sqrt(sq);
+      }
+      if (!std::isfinite(s)) continue;  // inf or NaN somewhere: no bound holds
       const double s2 = bound.s2 ? bound.s2[b] : 0.0;
       const float* a = ap + b * V;
       double lo = -HUGE_VAL;

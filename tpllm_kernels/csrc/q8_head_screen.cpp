@@ -58,7 +58,7 @@ struct QuantizedX {
   std::vector<uint8_t> mag;   // [M, padded]
   std::vector<int8_t> code;   // [M, padded]
   std::vector<float> scale;   // [M, chunks * kChunk / kGroup], 0 for padding groups
-  std::vector<double> dq_norm, err_norm;  // |x'| and |x - x'| per row, float64
+  std::vector<double> x_norm, dq_norm, err_norm;  // |x|, |x'| and |x - x'| per row, float64
 #if defined(__AVX512BW__)
   std::vector<float> lane_scale;   // [M, chunks, 16]: each int32 lane's group scale
   std::vector<uint64_t> negative;  // [M, chunks]: the chunk's negative codes as a byte mask
@@ -67,10 +67,10 @@ struct QuantizedX {
   QuantizedX(const float* x, int64_t M, int64_t K)
       : chunks((K + kChunk - 1) / kChunk), padded(chunks * kChunk),
         mag(M * padded, 0), code(M * padded, 0), scale(M * (padded / kGroup), 0.f),
-        dq_norm(M, 0.0), err_norm(M, 0.0) {
+        x_norm(M, 0.0), dq_norm(M, 0.0), err_norm(M, 0.0) {
     const int64_t G = padded / kGroup;
     for (int64_t m = 0; m < M; ++m) {
-      double dq2 = 0.0, err2 = 0.0;
+      double x2 = 0.0, dq2 = 0.0, err2 = 0.0;
       for (int64_t g = 0; g < K / kGroup; ++g) {
         const float* xg = x + m * K + g * kGroup;
         float amax = 0.f;
@@ -86,10 +86,12 @@ struct QuantizedX {
           code[at] = static_cast<int8_t>(c);
           mag[at] = static_cast<uint8_t>(c < 0 ? -c : c);
           const double dq = static_cast<double>(c) * s;  // exact in float64
+          x2 += static_cast<double>(xg[i]) * xg[i];
           dq2 += dq * dq;
           err2 += (xg[i] - dq) * (xg[i] - dq);
         }
       }
+      x_norm[m] = std::sqrt(x2);  // not finite where x is not: the pick skips the row
       dq_norm[m] = std::sqrt(dq2);
       err_norm[m] = std::sqrt(err2);
     }
@@ -229,9 +231,8 @@ std::vector<at::Tensor> greedy_argmax_screened_q8(at::Tensor x, at::Tensor weigh
   const QuantizedX xq(xp, B, K);
   std::vector<double> s1(B), s2(B);
   for (int64_t b = 0; b < B; ++b) {
-    double sq = 0.0;
-    for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xp[b * K + k]) * xp[b * K + k];
-    s1[b] = std::max(std::sqrt(sq), xq.dq_norm[b]);
+    // a NaN |x| stays NaN here (std::max keeps its first argument): the pick skips the row
+    s1[b] = std::max(xq.x_norm[b], xq.dq_norm[b]);
     s2[b] = 1.05 * xq.err_norm[b];
   }
   const greedy_pick::Bound bound{coef.data_ptr<float>(), s1.data(), s2.data(),
