@@ -19,7 +19,7 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     for row 0), across scales of x; a row that is not finite is handed back (-1). The kernel
     takes every row count here; a step of more than the q8 screen's max_rows (one pass of its
     kernel) is left to the full head: best() returns None."""
-    from backend.model.greedy_head import GreedyScreen, argmax_logits
+    from backend.model.greedy_head import GreedyPicks, GreedyScreen
     if not cpu_ops.GREEDY_SCREEN:
         no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
     g = torch.Generator().manual_seed(m * 7 + k)
@@ -43,7 +43,8 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
         if capped:
             assert screen.best(x, w) is None
             continue
-        logits = argmax_logits(*screen.best(x, w), n)
+        tokens, values = screen.best(x, w)
+        logits = GreedyPicks(tokens.tolist(), values.tolist(), n).dense()
         assert torch.equal(logits.argmax(dim=1), want)
         assert torch.equal(logits.gather(1, want[:, None]), full.gather(1, want[:, None]))
         assert int(torch.isfinite(logits).sum()) == m  # one logit per row, -inf elsewhere
@@ -53,8 +54,8 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     assert tokens[m - 1] == -1 and torch.equal(tokens[:m - 1], cpu_ops.linear(x, w)[:m - 1].argmax(1))
     if capped:
         return
-    logits = argmax_logits(*screen.best(x, w), n)
-    assert not bool(torch.isfinite(logits[m - 1]).any())  # left for the caller's full row
+    tokens, _ = screen.best(x, w)
+    assert tokens[m - 1] == -1  # left for the caller's full row
 
 
 def test_q8_screen_bound_and_choice():
@@ -213,10 +214,15 @@ def test_greedy_screen_refuses_what_it_cannot_bound(kind):
 
 
 def test_screened_head_takes_the_full_row_where_it_cannot_bound():
-    """ParallelLMHead.argmax_logits: a row that is not finite gets the full head's row (NaNs
-    and all) while the others get their maximum alone; TP's pick across ranks keeps the
-    highest logit of the lowest rank (the first index, as argmax)."""
-    from backend.model.greedy_head import pick_across_ranks
+    """ParallelLMHead.argmax_logits: a row that is not finite gets the full head's argmax (a
+    NaN counts as the maximum, as in torch) and logit while the others get their maximum
+    alone, as GreedyPicks the sampler takes; more rows than the screen takes get the logits;
+    TP's pick across ranks keeps the highest logit of the lowest rank (the first index, as
+    argmax)."""
+    from backend.engine.sampling.sampler import Sampler
+    from backend.engine.sampling.sampling_params import SamplingParams
+    from backend.engine.sequence import Sequence
+    from backend.model.greedy_head import GreedyPicks, pick_across_ranks
     from backend.model.layers import ParallelLMHead
     from backend.parallel.context import SINGLE
     head = ParallelLMHead(300, 64, torch.float32, SINGLE, ops=cpu_ops)
@@ -225,10 +231,21 @@ def test_screened_head_takes_the_full_row_where_it_cannot_bound():
         no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
     x = torch.randn(3, 64)
     x[1, 0] = float("nan")
+    x[2] = 0.0
+    x[2, 7] = float("inf")  # row 2's logits +-inf: the first +inf wins
     got, full = head.argmax_logits(x), head(x)
-    assert torch.equal(got[[0, 2]].argmax(1), full[[0, 2]].argmax(1))
-    assert int(torch.isfinite(got[[0, 2]]).sum()) == 2
-    torch.testing.assert_close(got[1], full[1], rtol=0, atol=0, equal_nan=True)
+    assert isinstance(got, GreedyPicks) and got.shape == (3, 300)
+    want = full.argmax(1)
+    assert bool(full[1].isnan().all()) and int(full[2].isposinf().sum()) > 1
+    assert got.tokens == want.tolist()
+    torch.testing.assert_close(torch.tensor(got.values), full.gather(1, want[:, None])[:, 0],
+                               rtol=0, atol=0, equal_nan=True)
+    sampled = Sampler(eos_token_ids=set())(
+        got, [Sequence(f"r{i}", [1, 2], 1, SamplingParams(temperature=0), i) for i in range(3)])
+    assert sampled.token_ids == want.tolist() and sampled.logprobs == [None] * 3
+    more = torch.randn(head.screen.max_rows + 1, 64) if head.screen.max_rows else None
+    if more is not None:  # beyond one pass of the screen: the full head's logits
+        assert torch.equal(head.argmax_logits(more), head(more))
     # rows: a tie between ranks 1 and 2 (rank 1 wins), rank 0 alone best, rank 2 alone best
     pairs = torch.tensor([[3., 1.0, 120., 5.0, 250., 5.0],
                           [7., 9.0, 101., 2.0, 201., 8.0],

@@ -38,6 +38,7 @@ from backend.engine.warmup import warm_up as run_warmup
 from backend.engine.stats import EngineStats
 from backend.engine.tp.launch import launch_group
 from backend.model.config import ModelConfig
+from backend.model.greedy_head import GreedyPicks
 from backend.model.loader import load_model
 from backend.parallel.context import ParallelContext
 from tpllm_kernels import cpu_ext
@@ -348,8 +349,9 @@ class LLMEngine:
         self.stats.prefix_cache_hits += sched.prefix_hits
         return outputs
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass on every rank; logits (rank 0's) for inputs.logits_indices."""
+    def run_model(self, inputs: StepInputs) -> torch.Tensor | GreedyPicks | None:
+        """One forward pass on every rank; logits (rank 0's) for inputs.logits_indices, or
+        GreedyPicks for an argmax_only step (ModelRunner.forward)."""
         if self.group is None:
             return self.runner.forward(inputs)
         try:

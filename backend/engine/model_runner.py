@@ -13,6 +13,7 @@ from backend.engine.decode_graphs import DecodeGraphs
 from backend.engine.device_inputs import DeviceInputs
 from backend.engine.step_inputs import StepInputs
 from backend.model import host_memory
+from backend.model.greedy_head import GreedyPicks
 from backend.model.llama import LlamaForCausalLM
 from backend.model.lora_layers import row_groups
 from backend.model.rotary import RotaryTables
@@ -99,8 +100,9 @@ class ModelRunner:
         return 0 if self.decode_graphs is None else self.decode_graphs.num_captures
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Logits [len(logits_indices), V] on rank 0 (None on other ranks under TP)."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | GreedyPicks | None:
+        """Logits [len(logits_indices), V] on rank 0 (None on other ranks under TP); an
+        argmax_only step's GreedyPicks where the model screens its head."""
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)  # per thread: Triton launches on it
         if self.decode_graphs is not None and self.decode_graphs.accepts(inputs):

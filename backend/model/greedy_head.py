@@ -175,17 +175,32 @@ class GreedyScreen:
             return None
         tokens, values, candidates = got
         self.rows += x.shape[0]
-        self.candidates += int(candidates.sum())
+        self.candidates += sum(candidates.tolist())  # a list: fewer cycles than a tensor op
         return tokens, values
 
 
-def argmax_logits(tokens: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] float32: values[b] at tokens[b], -inf elsewhere (a -1 token's row: all -inf,
-    for the caller to replace)."""
-    out = np.full((tokens.shape[0], vocab), -np.inf, dtype=np.float32)
-    ok = (tokens >= 0).numpy()
-    out[np.flatnonzero(ok), tokens.numpy()[ok]] = values.numpy()[ok]
-    return torch.from_numpy(out)
+@dataclass
+class GreedyPicks:
+    """What a step whose rows all take the argmax gets instead of logits [B, V]: each row's
+    token (the first of equal maxima; NaN counts as the maximum, as in torch's argmax) and its
+    logit, bit for bit the full head's. No [B, V] array is filled with -inf for the sampler to
+    search again: that and the torch ops around it cost a batch-1 decode step more than their
+    arithmetic, the step having streamed the caches cold (`bench step-parts`: head, sampling,
+    Python)."""
+    tokens: list[int]
+    values: list[float]  # float32 values (exact as Python floats)
+    vocab: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.tokens), self.vocab)
+
+    def dense(self) -> torch.Tensor:
+        """[B, vocab] float32: each row's logit at its token, -inf elsewhere."""
+        out = torch.full(self.shape, float("-inf"), dtype=torch.float32)
+        out[torch.arange(len(self.tokens)), torch.tensor(self.tokens, dtype=torch.long)] = \
+            torch.tensor(self.values, dtype=torch.float32)
+        return out
 
 
 def pick_across_ranks(pairs: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:

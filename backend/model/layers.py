@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.model.greedy_head import GreedyScreen, pick_across_ranks
-from backend.model.greedy_head import argmax_logits as greedy_argmax_logits
+from backend.model.greedy_head import GreedyPicks, GreedyScreen, pick_across_ranks
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
 from tpllm_kernels import reference
@@ -151,21 +150,23 @@ class ParallelLMHead(DirectModule):
         self.screen = GreedyScreen.build(self.weight, self.ops)
         return self.screen is not None
 
-    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For rows that only take the argmax: [B, V] float32 holding each row's maximum logit,
-        bit for bit self(x)'s, at its argmax (the first of equal maxima) and -inf elsewhere
-        (rank 0; other ranks None). Under TP each rank screens its vocabulary slice and rank 0
-        takes the best of the ranks' (token, logit) pairs: every rank must screen the step
-        (rank 0 asks for it only when all of them can: TPGroup.screening_everywhere)."""
+    def argmax_logits(self, x: torch.Tensor) -> GreedyPicks | torch.Tensor | None:
+        """For rows that only take the argmax: each row's token and logit, bit for bit self(x)
+        + argmax's (the first of equal maxima), as GreedyPicks (rank 0; other ranks None);
+        the logits where the screen does not take x (more rows than it screens at once).
+        Under TP each rank screens its vocabulary slice and rank 0 takes the best of the ranks'
+        (token, logit) pairs: every rank must screen the step (rank 0 asks for it only when all
+        of them can: TPGroup.screening_everywhere)."""
         if self.screen is None:
             raise RuntimeError("argmax_logits: greedy screening is not enabled")
         got = self.screen.best(x, self.weight)
-        if got is None:  # the same on every rank (same rows)
+        if got is None:  # the same on every rank (same rows): logits, for the sampler's argmax
             return self(x)
         tokens, values = got
         # rows the screen handed back (not finite; the same rows on every rank): in full, every
-        # rank taking part in each row's gather in the same order
-        full_rows = {r: self(x[r:r + 1]) for r in (tokens < 0).nonzero().flatten().tolist()}
+        # rank taking part in each row's gather in the same order. (Lists: for a step's few
+        # rows they cost less than tensor ops.)
+        full_rows = {r: self(x[r:r + 1]) for r, t in enumerate(tokens.tolist()) if t < 0}
         world = self.ctx.world_size
         if world > 1:
             start = sum(self.shard_sizes[:self.ctx.rank])
@@ -174,10 +175,11 @@ class ParallelLMHead(DirectModule):
             if pairs is None:  # not rank 0
                 return None
             tokens, values = pick_across_ranks(pairs, world)
-        logits = greedy_argmax_logits(tokens, values, sum(self.shard_sizes))
-        for r, row in full_rows.items():
-            logits[r] = row[0]
-        return logits
+        picks = GreedyPicks(tokens.tolist(), values.tolist(), sum(self.shard_sizes))
+        for r, row in full_rows.items():  # the full row's argmax, NaN and all
+            picks.tokens[r] = int(row[0].numpy().argmax())
+            picks.values[r] = float(row[0, picks.tokens[r]])
+        return picks
 
 
 class RMSNorm(DirectModule):

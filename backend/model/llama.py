@@ -9,6 +9,7 @@ from torch import nn
 from backend.model.attention import Attention
 from tpllm_kernels.metadata import AttentionMetadata
 from backend.model.config import ModelConfig
+from backend.model.greedy_head import GreedyPicks
 from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
                                   RMSNorm, RowParallelLinear, VocabParallelEmbedding)
 from backend.parallel.context import ParallelContext
@@ -130,13 +131,13 @@ class LlamaForCausalLM(DirectModule):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None, argmax_only: bool = False,
-                lora: list | None = None) -> torch.Tensor | None:
+                lora: list | None = None) -> torch.Tensor | GreedyPicks | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
         (the last token of each sequence that samples this step), or [0, V] when none.
         Under tensor parallelism only rank 0 gets logits; the others get None.
         argmax_only: every such row only takes its argmax; with greedy screening on
-        (lm_head.enable_greedy_screening) a row's logits are then its exact maximum at its
-        argmax and -inf elsewhere (backend/model/greedy_head.py).
+        (lm_head.enable_greedy_screening) the rows' tokens and exact logits come back as
+        GreedyPicks instead (backend/model/greedy_head.py).
         lora: the step's LoRA adapter rows (lora_layers.row_groups: StepLora); a decode step
         with them runs fused where the kernels add the deltas (ops.FUSED_LORA: float32), else the
         modular path."""
@@ -157,8 +158,12 @@ class LlamaForCausalLM(DirectModule):
             x, residual = self._fused_layers(x, meta, kv_caches, ids)
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        # Norm and project only the rows that sample: prefill rows need no logits.
-        x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        # Norm and project only the rows that sample: prefill rows need no logits. The indices
+        # ascend (build_step_inputs), so as many as there are rows are every row, in order: a
+        # decode step's, which skips two copies.
+        if logits_indices.numel() != x.shape[0]:
+            x = x.index_select(0, logits_indices)
+            residual = residual.index_select(0, logits_indices)
         x, _ = self.norm(x, residual)
         if argmax_only and self.lm_head.screen is not None:
             return self.lm_head.argmax_logits(x)

@@ -14,6 +14,7 @@ import torch
 
 from backend.engine.sampling import logprobs as lp_mod
 from backend.engine.sampling.sampling_params import SamplingParams
+from backend.model.greedy_head import GreedyPicks
 
 # Below this temperature logits / T can overflow float32 and the distribution is a point mass on
 # the argmax anyway (vLLM uses the same cutoff), so such rows are decoded greedily.
@@ -218,8 +219,16 @@ class Sampler:
             and getattr(r, "guided", None) is None and not _min_tokens_pending(r)
             for r in rows)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Pick one token per row. ``logits`` [B, V] float32 is modified in place."""
+    def __call__(self, logits: torch.Tensor | GreedyPicks, rows: Sequence[SamplingRow]
+                 ) -> SamplerOutput:
+        """Pick one token per row. ``logits`` [B, V] float32 is modified in place; GreedyPicks
+        (the model's answer to a step whose rows are all argmax_only) already hold the tokens."""
+        if isinstance(logits, GreedyPicks):
+            if len(logits.tokens) != len(rows):
+                raise ValueError(f"{len(logits.tokens)} greedy picks for {len(rows)} rows")
+            none = [None] * len(rows)
+            return SamplerOutput(token_ids=list(logits.tokens), logprobs=none,
+                                 position_logprobs=list(none))
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}")
         params = [r.params for r in rows]
