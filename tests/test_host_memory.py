@@ -76,3 +76,41 @@ def test_available_bytes_reads_meminfo():
         assert avail is None
     else:
         assert 0 < avail < 1 << 50
+
+
+def test_block_copies_sit_on_huge_pages(tmp_path):
+    """The weights' exact block copies (tpllm_kernels/cpu_blocks.py), which a decode step
+    streams as it does the weights, sit together in one huge-page arena, not in the arena of the
+    weights they copy nor on torch's 4 KiB pages, and still rebuild their weights."""
+    from tpllm_kernels import cpu_ops
+    from tests.required import no_cpu_kernels
+    if cpu_ops.keep_block_copy is None:
+        no_cpu_kernels("no block-copy GEMV in the C++ kernels here")
+    d = make_tiny_checkpoint("llama", tmp_path / "m", vocab_size=16384, hidden_size=192,
+                             layers=2)
+    cfg = ModelConfig.from_dir(d)
+    model = load_model(d, cfg, SINGLE, torch.float32, "cpu")
+    assert model.ops is cpu_ops
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():  # every weight Q8_0-like: int8 codes, a scale of 2^-10
+        if p.dim() == 2:
+            q = torch.randint(-127, 128, p.shape, dtype=torch.float32, generator=g)
+            q[:, ::32] = 127  # each block's largest |code|: its scale is exactly 2^-10
+            p.data.copy_(q * 2.0 ** -10)
+    assert model.keep_block_copies() > host_memory.HUGE_PAGE
+    copies = [p.block_copy for p in model.parameters() if getattr(p, "block_copy", None)]
+    assert len(copies) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + the head
+    tensors = [t for c in copies for t in c[1:]]
+    maps = {tuple(sorted(_mapping_of(t.data_ptr()).items())) for t in tensors}
+    weights_map = _mapping_of(next(model.parameters()).data_ptr())
+    assert len(maps) == 1 and dict(next(iter(maps))) != weights_map  # one arena of their own
+    if _thp_mode() in ("always", "madvise"):
+        entry = dict(next(iter(maps)))
+        assert "hg" in entry.get("VmFlags", "").split()
+        assert int(entry["AnonHugePages"].split()[0]) > 0
+    for p in model.parameters():
+        if getattr(p, "block_copy", None):
+            kind, q, s = p.block_copy
+            assert kind == "q8"
+            rebuilt = q.float().view(q.shape[0], -1, 32) * s.view(q.shape[0], -1, 1)
+            assert torch.equal(rebuilt.view(p.shape), p.data)

@@ -1,4 +1,4 @@
-"""Big CPU tensors (weights, KV cache) in one mapping on transparent huge pages.
+"""Big CPU tensors (weights, their block copies, KV cache) in mappings on transparent huge pages.
 
 A CPU decode step streams every weight once (SmolLM2: 540 MB in float32). On 4 KiB pages that
 is ~130k page-table walks per step; on 2 MiB pages ~260. Measured here (2 threads, the model's
@@ -81,6 +81,13 @@ def move_parameters(module: torch.nn.Module) -> HostArena:
     for p in params:
         p.data = arena.take(tuple(p.shape), p.dtype)
     return arena
+
+
+def copy_to_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors`, in order, in one huge-page arena (for data built after loading, such
+    as the weights' exact block copies, which a decode step streams as it does the weights)."""
+    arena = HostArena(arena_bytes((tuple(t.shape), t.dtype) for t in tensors))
+    return [arena.take(tuple(t.shape), t.dtype).copy_(t) for t in tensors]
 
 
 def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:

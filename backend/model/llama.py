@@ -8,6 +8,7 @@ from torch import nn
 
 from backend.model.attention import Attention
 from tpllm_kernels.metadata import AttentionMetadata
+from backend.model import host_memory
 from backend.model.config import ModelConfig
 from backend.model.greedy_head import GreedyPicks
 from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
@@ -225,12 +226,22 @@ class LlamaForCausalLM(DirectModule):
     def keep_block_copies(self) -> int:
         """An exact block copy beside every linear's weight (lm_head included) that has one,
         where the kernels read them (ops.keep_block_copy; tpllm_kernels/cpu_blocks.py); returns
-        their bytes."""
+        their bytes. The copies then move, in the order a step reads them, into one huge-page
+        arena, as the weights sit in: a batch-1 decode step streams them all (docs/decisions.md,
+        "The block copies sit on huge pages")."""
         keep = getattr(self.ops, "keep_block_copy", None)
         if keep is None:
             return 0
         kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-        return sum(keep(m.weight) for m in self.modules() if isinstance(m, kinds))
+        weights = list({id(m.weight): m.weight for m in self.modules()
+                        if isinstance(m, kinds)}.values())
+        kept = sum(keep(w) for w in weights)
+        copied = [w for w in weights if getattr(w, "block_copy", None) is not None]
+        if copied and all(w.device.type == "cpu" for w in copied):
+            moved = iter(host_memory.copy_to_arena([t for w in copied for t in w.block_copy[1:]]))
+            for w in copied:
+                w.block_copy = (w.block_copy[0], next(moved), next(moved))
+        return kept
 
     def rebind_decode(self) -> None:
         """Bind the fused decode layers again at the next step (their LoRA adapters changed)."""
