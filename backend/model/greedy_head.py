@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-import numpy as np
 import torch
 
 from backend.model import host_memory
