@@ -134,7 +134,8 @@ class LlamaForCausalLM(DirectModule):
                 logits_indices: torch.Tensor | None, argmax_only: bool = False,
                 lora: list | None = None) -> torch.Tensor | GreedyPicks | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
-        (the last token of each sequence that samples this step), or [0, V] when none.
+        (ascending: the last token of each sequence that samples this step), or [0, V] when
+        none.
         Under tensor parallelism only rank 0 gets logits; the others get None.
         argmax_only: every such row only takes its argmax; with greedy screening on
         (lm_head.enable_greedy_screening) the rows' tokens and exact logits come back as
