@@ -166,7 +166,8 @@ class ParallelLMHead(DirectModule):
         # rows the screen handed back (not finite; the same rows on every rank): in full, every
         # rank taking part in each row's gather in the same order. (Lists: for a step's few
         # rows they cost less than tensor ops.)
-        full_rows = {r: self(x[r:r + 1]) for r, t in enumerate(tokens.tolist()) if t < 0}
+        listed = tokens.tolist()
+        full_rows = {r: self(x[r:r + 1]) for r, t in enumerate(listed) if t < 0}
         world = self.ctx.world_size
         if world > 1:
             start = sum(self.shard_sizes[:self.ctx.rank])
@@ -175,7 +176,8 @@ class ParallelLMHead(DirectModule):
             if pairs is None:  # not rank 0
                 return None
             tokens, values = pick_across_ranks(pairs, world)
-        picks = GreedyPicks(tokens.tolist(), values.tolist(), sum(self.shard_sizes))
+            listed = tokens.tolist()
+        picks = GreedyPicks(listed, values.tolist(), sum(self.shard_sizes))
         for r, row in full_rows.items():  # the full row's argmax, NaN and all
             picks.tokens[r] = int(row[0].numpy().argmax())
             picks.values[r] = float(row[0, picks.tokens[r]])

@@ -238,7 +238,7 @@ class LlamaForCausalLM(DirectModule):
                         if isinstance(m, kinds)}.values())
         kept = sum(keep(w) for w in weights)
         copied = [w for w in weights if getattr(w, "block_copy", None) is not None]
-        if copied and all(w.device.type == "cpu" for w in copied):
+        if copied:  # CPU float32 weights only (cpu_blocks.py)
             moved = iter(host_memory.copy_to_arena([t for w in copied for t in w.block_copy[1:]]))
             for w in copied:
                 w.block_copy = (w.block_copy[0], next(moved), next(moved))
