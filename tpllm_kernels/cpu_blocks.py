@@ -48,7 +48,9 @@ def _first_exact(blocks: torch.Tensor, candidates, encode, rebuild, code_dtype: 
         s_of = torch.where(ok, s, s_of)
         q_of = torch.where(ok, q.to(code_dtype), q_of)
         found |= ok
-    return (s_of, q_of) if bool(found.all()) else None
+        if bool(found.all()):  # later candidates could change no block
+            return s_of, q_of
+    return None
 
 
 def _q4_slice(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
