@@ -6,7 +6,8 @@ default spin, another spin) and torch's OpenMP under each wait policy (PASSIVE, 
 GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its environment once,
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
 last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V
-read once per token). The floor of a cell is taken at the read bandwidth measured right before
+read once per token; the weights counted as the step's kernels read them: the exact block copies
+and the greedy head screen, client/bench/floors.py step_weight_bytes). The floor of a cell is taken at the read bandwidth measured right before
 and right after that cell (the best of both, no busy loop running): this VM's bandwidth swings
 between ~30 and ~47 GB/s within minutes, so a floor measured once at the start of a run that
 lasts half an hour made the same decode read as 1.2x or 1.75x of it. A mode's ratio is the
@@ -43,7 +44,10 @@ DEFAULT_MODES = "team,team-spin0,omp-passive,omp-active,omp-unset,omp-spin10k"
 # the variables a mode sets; every other one is removed from the child's environment
 _THREADING_VARS = ("TPLLM_THREADING", "TPLLM_SPIN_US", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 PROBE_TOKENS = 8
-TARGETS = (("quiet", 1.2), ("busy", 1.6))  # TPOT / floor, issue 17
+# TPOT / floor: the bytes as the step reads them (issue 53), and issue 17's targets, set when a
+# step read the float32 weights, against the floor of the weights in the model's dtype
+TARGETS = (("quiet", 1.6),)
+DTYPE_TARGETS = (("quiet", 1.2), ("busy", 1.6))
 
 
 def mode_env(name: str) -> dict[str, str]:
@@ -77,13 +81,12 @@ def child_env(mode: str) -> dict[str, str]:
     return env | mode_env(mode)
 
 
-def run_cell(args, mode: str, load: str, round_: int, step_bytes: float) -> dict:
-    """One mode under one load, in a fresh process; its measurements (or why there are none).
-    step_bytes: what a decode step reads (the size of a quiet cell's paired reads)."""
+def run_cell(args, mode: str, load: str, round_: int) -> dict:
+    """One mode under one load, in a fresh process; its measurements (or why there are none),
+    with the bytes its decode steps read (step_bytes: the size of a quiet cell's paired reads)."""
     spec = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
             "input_len": args.input_len, "tokens": args.tokens, "repeats": args.repeats,
-            "seed": args.seed, "give_up_ms": args.give_up_ms, "paired": load == "quiet",
-            "step_bytes": step_bytes}
+            "seed": args.seed, "give_up_ms": args.give_up_ms, "paired": load == "quiet"}
     busy_cpu = None if args.busy_cpu < 0 else args.busy_cpu
     cell = {"mode": mode, "load": load, "round": round_, "env": mode_env(mode)}
     with tempfile.TemporaryDirectory() as d:
@@ -119,8 +122,9 @@ def summarize_cells(cells: list[dict]) -> dict:
     runs = [r for c in cells for r in c.get("runs", [])]
     if runs:
         out["tpot_s"] = bu.summarize([r["tpot_s"] for r in runs])
-    if ratios := [c["floor_ratio"] for c in cells if "floor_ratio" in c]:
-        out["floor_ratio"] = bu.summarize(ratios)
+    for key in ("floor_ratio", "dtype_floor_ratio"):
+        if ratios := [c[key] for c in cells if key in c]:
+            out[key] = bu.summarize(ratios)
     if paired := [c["paired"]["ratio"]["median"] for c in cells if c.get("paired")]:
         out["paired_ratio"] = bu.summarize(paired)
     team = [c["team"] for c in cells if c.get("team")]
@@ -134,6 +138,7 @@ def child_main(spec_path: str, out_path: str) -> int:
     import torch
     from backend import LLM, SamplingParams
     from backend.engine.model_files import resolve_model_dir
+    from client.bench import floors
     from tpllm_kernels import cpu_ext, cpu_threading
 
     spec = json.loads(Path(spec_path).read_text())
@@ -143,6 +148,12 @@ def child_main(spec_path: str, out_path: str) -> int:
               kv_cache_memory_gb=0.25, cpu_packed_gemm=False, warmup=False)
     ext = cpu_ext.load()
     vocab = llm.engine.model_config.vocab_size
+    # what this process's decode steps read: the weights as its kernels read them (block copies
+    # where it keeps them, the greedy head screen) and the K/V at the request's mean context
+    cost = floors.ModelCost.from_config(llm.engine.model_config, getattr(torch, spec["dtype"]))
+    weights_read = floors.step_weight_bytes(llm.engine.runner.model)["total"]
+    step_bytes = floors.read_decode_bytes(weights_read, cost,
+                                          spec["input_len"] + spec["tokens"] / 2)
     # one prompt: its first request (the probe) computes its KV, the timed ones reuse it (prefix
     # cache), so a cell costs one prefill; the decode steps are the same either way
     prompt = bu.make_prompts(1, spec["input_len"], vocab, spec["seed"])[0]
@@ -150,6 +161,7 @@ def child_main(spec_path: str, out_path: str) -> int:
            "threading": cpu_threading.threading_mode() if ext is not None else "none",
            "spin_us": ext.team_spin_us() if ext is not None else None,
            "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
+           "weight_bytes": weights_read, "step_bytes": step_bytes,
            "environment": {k: os.environ[k] for k in _THREADING_VARS if k in os.environ}}
 
     def tpot(tokens: int) -> float:
@@ -166,8 +178,7 @@ def child_main(spec_path: str, out_path: str) -> int:
         after = cpu_threading.team_stats()
         out["team"] = {k: after[k] - before.get(k, 0) for k in after if k != "workers"}
         if spec["paired"]:  # None without the kernels (no probe)
-            from client.bench import floors
-            out["paired"] = floors.paired_steps(llm, prompt, spec["tokens"], spec["step_bytes"])
+            out["paired"] = floors.paired_steps(llm, prompt, spec["tokens"], step_bytes)
     Path(out_path).write_text(json.dumps(out))
     return 0
 
@@ -182,10 +193,13 @@ def _tpot(cell: dict | None) -> str:
     return "failed" if "error" in cell else "-"
 
 
-def _ratio(cell: dict | None) -> float | None:
-    if cell is None or "floor_ratio" not in cell:
+_DTYPE_FLOOR = "floor of the weights in their dtype"
+
+
+def _ratio(cell: dict | None, key: str = "floor_ratio") -> float | None:
+    if cell is None or key not in cell:
         return None
-    return cell["floor_ratio"]["median"]
+    return cell[key]["median"]
 
 
 def _ratio_text(cell: dict | None) -> str:
@@ -222,16 +236,19 @@ def report(res: dict) -> str:
     rates = bu.summarize([b for c in res["cells"] for b in c.get("bandwidth_gbs", [])])
     fl = res["floor"]
     cfg = res["config"]
-    text = [
-        bu.header_line(info),
-        f"floor: {fl['weight_bytes'] / 1e6:.0f} MB of weights + "
-        f"{(fl['step_bytes'] - fl['weight_bytes']) / 1e6:.0f} MB of K/V (mean context) per "
-        f"token at the read bandwidth measured right before and after each cell (best of the "
-        f"two; over the run {bu.fmt_spread(rates)} GB/s: "
-        f"{fl['step_bytes'] / (rates['max'] * 1e6):.1f}-"
-        f"{fl['step_bytes'] / (rates['min'] * 1e6):.1f} ms per token); /floor: median "
-        f"[min-max] of the cells' ratios. Weights count in the model's dtype: a step that reads "
-        f"block copies (header: decode weights) reads fewer bytes and may go below 1",
+    text = [bu.header_line(info)]
+    if fl["step_bytes"] and rates:
+        text.append(
+            f"floor: {fl['weight_bytes'] / 1e6:.0f} MB of weights as the step's kernels read "
+            f"them (header: decode weights; {fl['dtype_weight_bytes'] / 1e6:.0f} MB in "
+            f"{cfg['dtype']}) + {(fl['step_bytes'] - fl['weight_bytes']) / 1e6:.0f} MB of K/V "
+            f"(mean context) per token at the read bandwidth measured right before and after "
+            f"each cell (best of the two; over the run {bu.fmt_spread(rates)} GB/s: "
+            f"{fl['step_bytes'] / (rates['max'] * 1e6):.1f}-"
+            f"{fl['step_bytes'] / (rates['min'] * 1e6):.1f} ms per token); /floor: median "
+            f"[min-max] of the cells' ratios; the {_DTYPE_FLOOR} (issue 17's targets) counts "
+            f"{fl['dtype_step_bytes'] / 1e6:.0f} MB")
+    text += [
         "step/paired read (quiet cells): each decode step's time over the time of a read of "
         "as many bytes right before it (median of a cell's steps; median [min-max] of cells)",
         f"busy: {cfg['busy']}",
@@ -255,8 +272,9 @@ def report(res: dict) -> str:
 def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None:
     """The threading modes (fresh processes each) beside the bandwidth floor, into res."""
     from client.bench import floors
-    # a step reads every weight and its context's K/V once (the mean context of the request)
-    step_bytes = cost.mean_decode_bytes(args.input_len, args.tokens)
+    # every weight in the model's dtype and the context's K/V once (the request's mean context):
+    # issue 17's floor; each cell's own is what its steps read (its process counts them)
+    dtype_step_bytes = cost.mean_decode_bytes(args.input_len, args.tokens)
     # Round r runs the modes from the r-th on: this VM's speed drifts over minutes and differs
     # between processes. Each cell's floor: the read bandwidth (best of 5 reads of 1 GiB, this
     # process, nothing else running) right before and after it.
@@ -265,11 +283,13 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             for load in loads:
                 before = floors.read_bandwidth_gbs()
-                c = run_cell(args, mode, load, r, step_bytes)
+                c = run_cell(args, mode, load, r)
                 c["bandwidth_gbs"] = [before, floors.read_bandwidth_gbs()]
                 if c.get("runs"):
                     tpot = statistics.median(x["tpot_s"] for x in c["runs"])
-                    c["floor_ratio"] = bu.cell_ratio(tpot, c["bandwidth_gbs"], step_bytes)
+                    c["floor_ratio"] = bu.cell_ratio(tpot, c["bandwidth_gbs"], c["step_bytes"])
+                    c["dtype_floor_ratio"] = bu.cell_ratio(tpot, c["bandwidth_gbs"],
+                                                           dtype_step_bytes)
                 cells.append(c)
                 print(f"round {r} {mode:>14} {load:>5}: {_tpot(summarize_cells([c]))} ms/token "
                       f"(load {c['loadavg_at_start']:.2f}, read "
@@ -279,12 +299,21 @@ def run_part1(args, modes: list[str], loads: list[str], cost, res: dict) -> None
     res["modes"] = [{"mode": m, "load": load, "env": mode_env(m),
                      **summarize_cells([c for c in cells if (c["mode"], c["load"]) == (m, load)])}
                     for m in modes for load in loads]
-    res["floor"] = {"weight_bytes": cost.weight_bytes, "step_bytes": step_bytes,
+    # the floor the report names: the team cells' bytes (a mode without the C++ kernels reads
+    # the float32 weights: its cells' ratios use their own)
+    read = next((c for c in cells if c["mode"] == "team" and "step_bytes" in c),
+                next((c for c in cells if "step_bytes" in c), None))
+    res["floor"] = {"weight_bytes": read["weight_bytes"] if read else None,
+                    "step_bytes": read["step_bytes"] if read else None,
+                    "dtype_weight_bytes": cost.weight_bytes, "dtype_step_bytes": dtype_step_bytes,
                     "cost": floors.cost_dict(cost)}
     by = {(m["mode"], m["load"]): m for m in res["modes"]}
-    res["ratios"] = [bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load))),
-                                  target, False)
-                     for load, target in TARGETS if load in loads]
+    res["ratios"] = [
+        *(bu.ratio_row(f"{load} TPOT team/floor", _ratio(by.get(("team", load))), target, False)
+          for load, target in TARGETS if load in loads),
+        *(bu.ratio_row(f"{load} TPOT team/{_DTYPE_FLOOR}",
+                       _ratio(by.get(("team", load)), "dtype_floor_ratio"), target, False)
+          for load, target in DTYPE_TARGETS if load in loads)]
 
 
 def run_part2(args) -> dict:
@@ -334,14 +363,21 @@ def main(args: argparse.Namespace) -> int:
         run_part1(args, modes, loads, cost, res)
         if args.server:
             from client.bench import bench_decode_server
-            res["served"] = bench_decode_server.run(args, loads, res["floor"]["step_bytes"],
-                                                    model_dir)
+            fl = res["floor"]
+            # the server reads what the offline team cells read (the same default engine)
+            step_bytes = fl["step_bytes"] or fl["dtype_step_bytes"]
+            res["served"] = bench_decode_server.run(args, loads, step_bytes, model_dir)
             served = res["served"]["loads"]
-            res["ratios"] += [row for load, target in TARGETS if load in loads for row in (
-                bu.ratio_row(f"{load} TPOT served default/floor (perf_analyzer, logprobs)",
-                             served[load]["floor_ratio"]["median"], target, False),
-                bu.ratio_row(f"{load} TPOT served default/floor (greedy, gRPC)",
-                             served[load]["grpc_floor_ratio"]["median"], target, False))]
+            # a ratio to the dtype floor is the same TPOT over a floor that many times longer
+            to_dtype = step_bytes / fl["dtype_step_bytes"]
+            for targets, floor, scale in ((TARGETS, "floor", 1.0),
+                                          (DTYPE_TARGETS, _DTYPE_FLOOR, to_dtype)):
+                res["ratios"] += [row for load, target in targets if load in loads for row in (
+                    bu.ratio_row(f"{load} TPOT served default/{floor} (perf_analyzer, logprobs)",
+                                 served[load]["floor_ratio"]["median"] * scale, target, False),
+                    bu.ratio_row(f"{load} TPOT served default/{floor} (greedy, gRPC)",
+                                 served[load]["grpc_floor_ratio"]["median"] * scale, target,
+                                 False))]
     res["part2"] = run_part2(args) if "2" in parts else None
 
     text = "\n\n".join(
