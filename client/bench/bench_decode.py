@@ -7,11 +7,11 @@ GOMP_SPINCOUNT=10000). Each mode runs in fresh processes (libgomp reads its envi
 at load), on a quiet machine and with the other core busy (a busy-loop process, pinned to the
 last CPU unless --busy-cpu -1), beside the bandwidth floor (every weight and the context's K/V
 read once per token; the weights counted as the step's kernels read them: the exact block copies
-and the greedy head screen, client/bench/floors.py step_weight_bytes). The floor of a cell is taken at the read bandwidth measured right before
-and right after that cell (the best of both, no busy loop running): this VM's bandwidth swings
-between ~30 and ~47 GB/s within minutes, so a floor measured once at the start of a run that
-lasts half an hour made the same decode read as 1.2x or 1.75x of it. A mode's ratio is the
-median of its cells' ratios. --server adds the served default (tritonserver, the committed
+and the greedy head screen, client/bench/floors.py step_weight_bytes). The floor of a cell is
+taken at the read bandwidth measured right before and right after that cell (the best of both,
+no busy loop running): this VM's bandwidth swings between ~30 and ~47 GB/s within minutes, so
+a floor measured once at the start of a run that lasts half an hour made the same decode read as
+1.2x or 1.75x of it. A mode's ratio is the median of its cells' ratios. --server adds the served default (tritonserver, the committed
 model_repository config, perf_analyzer at concurrency 1): client/bench/bench_decode_server.py.
 A process runs one prompt: its first request (a few tokens, uncounted) computes the prompt's
 KV; the timed requests reuse it (prefix cache) and decode the same steps. --rounds processes
