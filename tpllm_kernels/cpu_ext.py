@@ -7,7 +7,7 @@ the int8 head screen's vpdpbusd), avx512 (x86-64-v4), avx2 (x86-64-v3: AVX2 + FM
 same sources build every variant: the kernels are written once against vec.h's 16-lane vector (one AVX-512 register or two AVX2
 ones) and compute the same float32 bits on each (the bf16 GEMV differs: vdpbf16ps vs widened
 FMAs). `make setup` (python -m tpllm_kernels.cpu_ext) builds only the variant this CPU runs: the
-others cannot be loaded here, and each costs minutes of compile. A variant missing at load is built
+others cannot be loaded here, and each costs a compile. A variant missing at load is built
 then (the tests that force another runnable variant build it on first use). `python -m
 tpllm_kernels.cpu_ext all` builds every x86 variant, whatever CPU it runs on, so an image built on
 one host runs at full speed on another (the Dockerfile does). A CPU without AVX2 + FMA (or a
@@ -22,7 +22,8 @@ Environment:
   TPLLM_REQUIRE_CPU_KERNELS=1  (`make test`) a failed build is an error, not the fallback
   TPLLM_CPU_ISA=<variant>  force a variant (avx2, avx512, avx512_bf16, generic); one the CPU
                            cannot run is refused with an error, never run
-  MAX_JOBS=<n>             parallel compile jobs (default: one per core; each needs ~1.5 GB)
+  MAX_JOBS=<n>             parallel compile jobs (default: one per core; the sources build as
+                           2 units, each job up to ~1 GB)
 `isa_level()` names the variant this process loaded (benchmarks print it).
 """
 from __future__ import annotations
@@ -45,6 +46,16 @@ from tpllm_kernels.cache_dir import cache_root
 log = logging.getLogger("tpllm_kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))  # one module; headers (*.h) are included by them
+# The sources compile as two translation units ("unity" builds: each #includes several of them).
+# torch's and pybind11's headers are most of a source's compile time, so a variant parses them
+# twice instead of once per source: about a third of the compiler time (docs/decisions.md, "The
+# kernels build as two translation units"). Two units, one per core of the small hosts this
+# targets: the pybind-heavy sources, and the rest.
+# The sources of a unit share its anonymous namespace: a name two of them define there is a
+# compile error, and a source whose anonymous namespace has a using-directive (it would reach
+# the sources after it) goes last in its unit.
+_UNIT_OF_BINDINGS = ("bindings.cpp", "thread_team_bindings.cpp", "decode_layer.cpp")
+_LAST_IN_UNIT = ("prefill_attention.cpp",)
 # fp-contract off: no fused multiply-adds but the kernels' explicit ones, so results match the
 # torch reference bit for bit where the arithmetic is the same, and every variant matches the
 # others (the explicit FMAs are the same on each)
@@ -153,6 +164,7 @@ def _cache_dir(v: Variant) -> Path:
     # two checkouts sharing one cache dir would rebuild each other's module on every load.
     sources = str(_CSRC).encode() + b"".join(
         p.read_bytes() for p in _SOURCES + sorted(_CSRC.glob("*.h")))
+    sources += repr(_units()).encode()
     flags = " ".join(_CFLAGS + list(v.cflags) + _LDFLAGS)
     key = hashlib.sha256(sources + torch.__version__.encode() + sys.version.encode()
                          + flags.encode()).hexdigest()[:16]
@@ -164,6 +176,28 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _units() -> list[list[str]]:
+    """The sources' names by translation unit, in include order."""
+    first = [n for n in _UNIT_OF_BINDINGS if (_CSRC / n).exists()]
+    rest = [p.name for p in _SOURCES if p.name not in first and p.name not in _LAST_IN_UNIT]
+    return [first, rest + [n for n in _LAST_IN_UNIT if (_CSRC / n).exists()]]
+
+
+def _write_units(build_dir: Path) -> list[str]:
+    """The unit sources in build_dir. Written only when missing or different (ninja rebuilds
+    what is newer than its object), and by rename (another process may be compiling them)."""
+    paths = []
+    for i, names in enumerate(_units()):
+        path = build_dir / f"unit_{i}.cpp"
+        text = "".join(f'#include "{_CSRC / n}"\n' for n in names)
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        paths.append(str(path))
+    return paths
+
+
 def _prepare(v: Variant) -> dict:
     """cpp_extension's build arguments for variant v (its build dir created)."""
     build_dir = _cache_dir(v)
@@ -171,10 +205,10 @@ def _prepare(v: Variant) -> dict:
     # ninja may live beside the interpreter (a venv) without being on PATH
     bindirs = {str(Path(sys.executable).parent), str(Path(sys.prefix) / "bin")}
     os.environ["PATH"] = os.pathsep.join([*bindirs, os.environ.get("PATH", "")])
-    # one compile job per core: ninja's default (cores + 2) only adds memory (each job of these
-    # torch-header-heavy sources needs ~1.5 GB) on the small hosts this targets
+    # one compile job per core: ninja's default (cores + 2) only adds memory (a unit's job
+    # needs up to ~1 GB) on the small hosts this targets
     os.environ.setdefault("MAX_JOBS", str(_cores()))
-    return dict(name=v.module, sources=[str(p) for p in _SOURCES],
+    return dict(name=v.module, sources=_write_units(build_dir),
                 # copies: cpp_extension appends torch's libraries to extra_ldflags in place, which
                 # changed this module's _LDFLAGS, hence every later cache key in the process
                 extra_cflags=_CFLAGS + list(v.cflags), extra_ldflags=list(_LDFLAGS),
