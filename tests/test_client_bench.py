@@ -90,9 +90,9 @@ def test_bench_tp_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_decode_smoke(tmp_path: Path) -> None:
-    """`bench decode` end to end at toy sizes: two modes, quiet and busy, one round each
-    (~35 s on the 2-core development VM), capped at AVX2 (--cap-isa: every x86-64 CI host runs
-    AVX2, and on an AVX-512 host the cap must reach each mode's own process)."""
+    """`bench decode` end to end at toy sizes: two modes, quiet and busy, one round each (four
+    processes), capped at AVX2 (--cap-isa: every x86-64 CI host runs AVX2, and on an AVX-512
+    host the cap must reach each mode's own process)."""
     out = tmp_path / "decode.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client", "bench", "decode", "--modes", "team,omp-passive",
