@@ -10,6 +10,15 @@ from tpllm_kernels import reference as ref
 from tests.required import no_cpu_kernels
 
 
+def _dense(picks) -> torch.Tensor:
+    """[B, vocab] float32: each row's logit at its token, -inf elsewhere (a GreedyPicks as the
+    logits it stands for)."""
+    out = torch.full(picks.shape, float("-inf"), dtype=torch.float32)
+    out[torch.arange(len(picks.tokens)), torch.tensor(picks.tokens, dtype=torch.long)] = \
+        torch.tensor(picks.values, dtype=torch.float32)
+    return out
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 9, cpu_ops.SMALL_M])  # up to the most rows it takes
 @pytest.mark.parametrize("k, n, kind", [(576, 4099, "q8"), (576, 4099, "bf16"), (96, 257, "q8"),
                                         (100, 257, "bf16"), (48, 33, "bf16"), (32, 33, "q8")])
@@ -44,7 +53,7 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
             assert screen.best(x, w) is None
             continue
         tokens, values = screen.best(x, w)
-        logits = GreedyPicks(tokens.tolist(), values.tolist(), n).dense()
+        logits = _dense(GreedyPicks(tokens.tolist(), values.tolist(), n))
         assert torch.equal(logits.argmax(dim=1), want)
         assert torch.equal(logits.gather(1, want[:, None]), full.gather(1, want[:, None]))
         assert int(torch.isfinite(logits).sum()) == m  # one logit per row, -inf elsewhere

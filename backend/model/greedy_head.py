@@ -194,13 +194,6 @@ class GreedyPicks:
     def shape(self) -> tuple[int, int]:
         return (len(self.tokens), self.vocab)
 
-    def dense(self) -> torch.Tensor:
-        """[B, vocab] float32: each row's logit at its token, -inf elsewhere."""
-        out = torch.full(self.shape, float("-inf"), dtype=torch.float32)
-        out[torch.arange(len(self.tokens)), torch.tensor(self.tokens, dtype=torch.long)] = \
-            torch.tensor(self.values, dtype=torch.float32)
-        return out
-
 
 def pick_across_ranks(pairs: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's (global token, logit) per row, [B, 2 * world] in rank order (the vocabulary

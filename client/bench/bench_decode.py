@@ -48,6 +48,7 @@ PROBE_TOKENS = 8
 # step read the float32 weights, against the floor of the weights in the model's dtype
 TARGETS = (("quiet", 1.6),)
 DTYPE_TARGETS = (("quiet", 1.2), ("busy", 1.6))
+_DTYPE_FLOOR = "floor of the weights in their dtype"
 
 
 def mode_env(name: str) -> dict[str, str]:
@@ -191,9 +192,6 @@ def _tpot(cell: dict | None) -> str:
     if cell.get("gave_up"):
         return f"> {cell['probe_tpot_s'] * 1e3:.0f} (gave up)"
     return "failed" if "error" in cell else "-"
-
-
-_DTYPE_FLOOR = "floor of the weights in their dtype"
 
 
 def _ratio(cell: dict | None, key: str = "floor_ratio") -> float | None:
