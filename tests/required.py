@@ -16,3 +16,15 @@ def no_cpu_kernels(reason: str = "C++ CPU kernels not built here",
     if REQUIRE_CPU_KERNELS:
         pytest.fail(f"{reason}, and TPLLM_REQUIRE_CPU_KERNELS=1", pytrace=False)
     pytest.skip(reason, allow_module_level=allow_module_level)
+
+
+def not_in_portable_build(feature: str) -> None:
+    """Skip the calling test for lack of a kernel that only the SIMD variants have (the bf16
+    GEMV and what runs on it: the screened greedy heads). Where the loaded variant is the
+    portable "generic" build (a CPU without AVX2 + FMA, a non-x86 one, or TPLLM_CPU_ISA=generic)
+    the lack is by design and `make test` skips; any other variant without it is a build that
+    lost it, and fails like no_cpu_kernels."""
+    from tpllm_kernels import cpu_ext, cpu_ops
+    if cpu_ops.AVAILABLE and cpu_ext.isa_level() == "generic":
+        pytest.skip(f"the portable (generic) kernel build has no {feature}")
+    no_cpu_kernels(f"no {feature} in the C++ kernels here")

@@ -49,24 +49,29 @@ def _kernel_outputs() -> dict[str, torch.Tensor]:
     torch.testing.assert_close(got.float(), ref.linear(x[:1].bfloat16(), w.bfloat16()).float(),
                                rtol=2e-2, atol=2e-2)
     # greedy screening (a head's int8 or bf16 copy, then the rows that can win): linear's argmax and
-    # logit, bit for bit (only where the variant has a bf16 GEMV: all but generic)
+    # logit, bit for bit, on every variant with a bf16 GEMV (all but the portable build, which
+    # builds no screen: its heads run whole)
     from backend.model.greedy_head import GreedyScreen
     head, xs = torch.randn(4099, 224, generator=g) * 0.05, torch.randn(3, 224, generator=g)
     full = cpu_ops.linear(xs, head)
-    for kind in ("q8", "bf16"):  # int8 groups or bf16 copy
-        screen = GreedyScreen.build(head, cpu_ops, kind)
-        assert screen is not None
-        tokens, out[f"greedy_logit_{kind}"], _ = screen.screen(xs, head)
-        out[f"greedy_token_{kind}"] = tokens
-        assert torch.equal(tokens, full.argmax(dim=1))
-        assert torch.equal(out[f"greedy_logit_{kind}"], full.gather(1, tokens[:, None])[:, 0])
-    # a bf16 head's screen: this variant's bf16 linear + argmax (its sums differ between
-    # variants within bf16's tolerance, so checked here, not across variants)
     head16, xs16 = head.bfloat16(), xs[:2].bfloat16()
-    full16 = cpu_ops.linear(xs16, head16).float()
-    tokens, values, _ = GreedyScreen.build(head16, cpu_ops).screen(xs16, head16)
-    assert torch.equal(tokens, full16.argmax(dim=1))
-    assert torch.equal(values, full16.gather(1, tokens[:, None])[:, 0])
+    if cpu_ext.isa_level() == "generic":
+        assert not cpu_ops.GREEDY_SCREEN and GreedyScreen.build(head, cpu_ops, "q8") is None
+    else:
+        for kind in ("q8", "bf16"):  # int8 groups or bf16 copy
+            screen = GreedyScreen.build(head, cpu_ops, kind)
+            assert screen is not None
+            tokens, out[f"greedy_logit_{kind}"], _ = screen.screen(xs, head)
+            out[f"greedy_token_{kind}"] = tokens
+            assert torch.equal(tokens, full.argmax(dim=1))
+            assert torch.equal(out[f"greedy_logit_{kind}"],
+                               full.gather(1, tokens[:, None])[:, 0])
+        # a bf16 head's screen: this variant's bf16 linear + argmax (its sums differ between
+        # variants within bf16's tolerance, so checked here, not across variants)
+        full16 = cpu_ops.linear(xs16, head16).float()
+        tokens, values, _ = GreedyScreen.build(head16, cpu_ops).screen(xs16, head16)
+        assert torch.equal(tokens, full16.argmax(dim=1))
+        assert torch.equal(values, full16.gather(1, tokens[:, None])[:, 0])
     # decode attention, head_dim 64 (the two-pass kernel), 3 query heads per KV head, splits
     B, Hq, Hkv, D, BS, NB = 3, 6, 2, 64, 16, 24
     kc, vc = torch.randn(NB, BS, Hkv, D, generator=g), torch.randn(NB, BS, Hkv, D, generator=g)

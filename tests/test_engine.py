@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from backend import LLM, AsyncEngine, SamplingParams
-from tests.required import no_cpu_kernels
+from tests.required import no_cpu_kernels, not_in_portable_build
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_fused_bf16_decode_matches_the_modular_path(tiny_text_model, monkeypatch
     and log-probabilities, to the bit (qkv bias included); a larger batch stays modular."""
     from tpllm_kernels import cpu_ops
     if not cpu_ops.AVAILABLE or not cpu_ops.FUSED_DECODE_BF16_ROWS:
-        no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
+        not_in_portable_build("bf16 GEMV")
     prompts = ["The quick brown fox", "Once upon a time there"]
     assert len(prompts) == cpu_ops.FUSED_DECODE_BF16_ROWS
     with LLM(model=str(tiny_text_model), dtype="bfloat16", num_kv_blocks=256,
@@ -341,7 +341,7 @@ def test_greedy_screening_gives_the_full_heads_tokens(tiny_text_model, dtype):
     assert off is None
     got, screen = run()
     if screen is None:
-        no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
+        not_in_portable_build("greedy screening (bf16 GEMV)")
     assert got == want
     assert screen.rows >= len(prompts) * 11 and screen.candidates >= screen.rows
     spec, screen = run(speculative_ngram=3)

@@ -7,7 +7,7 @@ import torch
 
 from tpllm_kernels import cpu_ops
 from tpllm_kernels import reference as ref
-from tests.required import no_cpu_kernels
+from tests.required import not_in_portable_build
 
 
 def _dense(picks) -> torch.Tensor:
@@ -30,7 +30,7 @@ def test_greedy_screen_is_linear_then_argmax(m, k, n, kind):
     kernel) is left to the full head: best() returns None."""
     from backend.model.greedy_head import GreedyPicks, GreedyScreen
     if not cpu_ops.GREEDY_SCREEN:
-        no_cpu_kernels("no bf16 GEMV in the C++ kernels here")
+        not_in_portable_build("bf16 GEMV")
     g = torch.Generator().manual_seed(m * 7 + k)
     w = torch.randn(n, k, generator=g) * 0.05
     w[n // 2] = w[n - 1] = w[3]  # three equal rows: a tie for the maximum
@@ -74,7 +74,7 @@ def test_q8_screen_bound_and_choice():
     rows are exactly int8 groups even with near-ties."""
     from backend.model.greedy_head import Q8_GROUP, GreedyScreen, q8_copy
     if not cpu_ops.GREEDY_SCREEN:
-        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+        not_in_portable_build("screened greedy head")
     g = torch.Generator().manual_seed(5)
     w = torch.randn(300, 128, generator=g) * 0.05
     q, scales, coef, wq_norm = q8_copy(w)
@@ -125,7 +125,7 @@ def test_q8_screen_bound_covers_the_quantized_input(m):
     Q8_0 head, so the copy itself adds no error: only the input's term saves the token."""
     from backend.model.greedy_head import GreedyScreen
     if not cpu_ops.GREEDY_SCREEN:
-        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+        not_in_portable_build("screened greedy head")
     g = torch.Generator().manual_seed(3)
     k, n, scale = 64, 40, 2.0 ** -7  # power-of-two scales: every q * scale exact
     codes = torch.randint(-20, 21, (n, k), generator=g).float()
@@ -158,7 +158,7 @@ def test_q8_screen_copies_a_head_with_code_minus_128():
     stays exact."""
     from backend.model.greedy_head import GreedyScreen
     if not cpu_ops.GREEDY_SCREEN:
-        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+        not_in_portable_build("screened greedy head")
     g = torch.Generator().manual_seed(9)
     codes = torch.randint(-127, 128, (300, 64), generator=g).to(torch.int8)
     codes[4, :32] = -128  # row 4's first group: all -128
@@ -183,7 +183,7 @@ def test_bf16_head_screen_is_bf16_linear_then_argmax(m):
     the largest rounded value wins."""
     from backend.model.greedy_head import GreedyScreen
     if not cpu_ops.GREEDY_SCREEN:
-        no_cpu_kernels("no screened greedy head in the C++ kernels here")
+        not_in_portable_build("screened greedy head")
     g = torch.Generator().manual_seed(11 + m)
     w = (torch.randn(4099, 128, generator=g) * 0.05).bfloat16()
     screen = GreedyScreen.build(w, cpu_ops)
@@ -237,7 +237,7 @@ def test_screened_head_takes_the_full_row_where_it_cannot_bound():
     head = ParallelLMHead(300, 64, torch.float32, SINGLE, ops=cpu_ops)
     head.weight.data.copy_(torch.randn(300, 64, generator=torch.Generator().manual_seed(1)))
     if not head.enable_greedy_screening():
-        no_cpu_kernels("no greedy screening without the C++ kernels' bf16 GEMV")
+        not_in_portable_build("greedy screening (bf16 GEMV)")
     x = torch.randn(3, 64)
     x[1, 0] = float("nan")
     x[2] = 0.0
