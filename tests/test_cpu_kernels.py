@@ -7,7 +7,7 @@ import torch
 from tpllm_kernels import cpu_ops
 from tpllm_kernels import reference as ref
 from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
-from tests.required import no_cpu_kernels
+from tests.required import no_cpu_kernels, not_in_portable_build
 
 if not cpu_ops.AVAILABLE:
     no_cpu_kernels(allow_module_level=True)
@@ -175,13 +175,14 @@ def test_linear_beyond_small_m_and_other_dtypes_use_torch(monkeypatch):
     assert calls == ["f32", "bf16"]
 
 
-@pytest.mark.skipif(not cpu_ops._BF16_GEMV, reason="no AVX512-BF16 here")
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (32, 4099, False)])
 def test_small_m_linear_bf16(m, k, n, bias):
     """The bf16 decode linear is as close to a float32 product of the same bf16 values as
     torch's bf16 linear is (one rounding of an fp32 sum), and batch-invariant up to
     BF16_SMALL_M rows."""
+    if not cpu_ops._BF16_GEMV:
+        not_in_portable_build("bf16 GEMV")
     g = torch.Generator().manual_seed(m * 7 + k + n)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -369,8 +370,6 @@ def test_linear_into_equals_linear(dtype, library, monkeypatch):
             assert slot[m * 300:].isnan().all()
 
 
-@pytest.mark.skipif(not cpu_ops._fast_prefill(64),
-                    reason="the portable (generic) kernel build has no prefill attention")
 @pytest.mark.parametrize("tokens, prefix", [(1, 0), (7, 0), (37, 0), (300, 0), (13, 50), (64, 200)])
 @pytest.mark.parametrize("hq, hkv, kv_index", [(9, 3, None), (4, 4, None), (5, 2, [0, 0, 0, 1, 1])])
 @pytest.mark.parametrize("block_size", [16, 5])
@@ -378,6 +377,8 @@ def test_paged_prefill_attention(tokens, prefix, hq, hkv, kv_index, block_size):
     """The C++ prefill attention equals torch's SDPA: causal over the chunk, the whole cached
     prefix visible, scattered blocks, any GQA map (uneven TP splits), block sizes not a multiple
     of the tiles, q a strided view of the fused qkv rows."""
+    if not cpu_ops._fast_prefill(64):
+        not_in_portable_build("prefill attention")
     g = torch.Generator().manual_seed(tokens * 31 + prefix + hq)
     ctx, d = prefix + tokens, 64
     nblk = -(-ctx // block_size)
