@@ -10,6 +10,7 @@ from backend.engine.buckets import BucketPlan
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
+from tests.required import no_cpu_kernels
 
 
 @pytest.mark.parametrize("seqs, tokens", [(64, 2048), (8, 64), (5, 100), (256, 8192), (1, 16)])
@@ -156,8 +157,10 @@ def test_library_gemm_shapes_after_ready_were_warmed(tiny, monkeypatch):
     (tpllm_kernels/cpu_ops.py): every GEMM shape a workload sends it after READY is one warmup
     already ran."""
     from tpllm_kernels import cpu_ops
-    if not (cpu_ops.AVAILABLE and cpu_ops._onednn_available()):
-        pytest.skip("no C++ kernels or no oneDNN linear")
+    if not cpu_ops.AVAILABLE:
+        no_cpu_kernels()
+    if not cpu_ops._onednn_available():
+        pytest.skip("torch without oneDNN's linear")
     monkeypatch.setattr(cpu_ops, "GEMM_LIBRARY", "onednn")
     shapes: list[tuple[int, ...]] = []
     onednn = cpu_ops._onednn_linear
