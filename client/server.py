@@ -128,6 +128,25 @@ class Server:
             return default
         return total
 
+    def settled_metrics(self, names: tuple[str, ...], quiet: float = 0.7,
+                        timeout: float = 15.0) -> dict[str, float]:
+        """{name: value} of `names` (summed over labels) from one scrape, once two scrapes
+        `quiet` s apart agree. For counters read together after the requests behind them have
+        ended: the model refreshes them from the engine at least every 0.5 s while idle, so a
+        single read may still hold an earlier refresh's values, and two reads at different
+        times mix two refreshes."""
+        def scrape() -> dict[str, float]:
+            got = self.metrics(names[0].split("_", 1)[0] + "_")
+            return {n: sum(v for k, v in got.items() if k.partition("{")[0] == n) for n in names}
+        deadline = time.monotonic() + timeout
+        last = scrape()
+        while True:
+            time.sleep(quiet)
+            now = scrape()
+            if now == last or time.monotonic() > deadline:
+                return now
+            last = now
+
     def wait_metric(self, name: str, pred, timeout: float = 10.0, **labels) -> float:
         """The metric's value once `pred` holds for it, or at the timeout (a series that does
         not exist yet counts as not yet; still none at the timeout raises KeyError)."""

@@ -24,7 +24,13 @@ def not_in_portable_build(feature: str) -> None:
     portable "generic" build (a CPU without AVX2 + FMA, a non-x86 one, or TPLLM_CPU_ISA=generic)
     the lack is by design and `make test` skips; any other variant without it is a build that
     lost it, and fails like no_cpu_kernels."""
-    from tpllm_kernels import cpu_ext, cpu_ops
-    if cpu_ops.AVAILABLE and cpu_ext.isa_level() == "generic":
+    if portable_build_loaded():
         pytest.skip(f"the portable (generic) kernel build has no {feature}")
     no_cpu_kernels(f"no {feature} in the C++ kernels here")
+
+
+def portable_build_loaded() -> bool:
+    """Whether the C++ kernels loaded here are the portable "generic" build (for a test that
+    goes on past the SIMD-only part instead of skipping)."""
+    from tpllm_kernels import cpu_ext, cpu_ops
+    return cpu_ops.AVAILABLE and cpu_ext.isa_level() == "generic"

@@ -248,3 +248,38 @@ def test_bench_speculation_server_work_reads_exported_counters(monkeypatch):
                                      "off": {"steps": 219, "drafts": 0, "model_s": 49.0}}]}
     assert bs._work_line(c) == ("(c) rounds on/off: 0.950 (steps 217/219, 15 drafts, "
                                 "in steps 51.2/49.0 s)\n")
+
+
+def test_engine_snapshot_never_shows_more_accepted_than_drafted():
+    """The metrics snapshot (response thread) reads the engine's counters while the engine
+    thread updates them: a verify step landing between its reads of the two speculation
+    counters must not export more accepted drafts than drafts (the engine adds drafts first,
+    so accepted is read first)."""
+    from backend.engine.stats import EngineStats
+    from backend.triton.metrics import engine_snapshot
+
+    class RacingStats(EngineStats):
+        """Runs one verify step (3 drafts, all accepted) right after the first read of either
+        speculation counter."""
+        stepped = False
+
+        def __getattribute__(self, name):
+            value = super().__getattribute__(name)
+            if name in ("spec_draft_tokens", "spec_accepted_tokens") and not self.stepped:
+                self.stepped = True
+                self.spec_draft_tokens += 3
+                self.spec_accepted_tokens += 3
+            return value
+
+    class Engine:
+        class scheduler:
+            running, waiting = [], []
+
+        class kv:
+            num_used_blocks, num_blocks = 0, 8
+
+        stats = RacingStats()
+
+    snap = engine_snapshot(Engine)
+    assert Engine.stats.stepped
+    assert snap["spec_accepted_tokens"] <= snap["spec_draft_tokens"], snap

@@ -166,6 +166,10 @@ def engine_snapshot(engine) -> dict[str, float]:
     """Gauges and cumulative counters read from an LLMEngine owned by another thread: reads of
     list lengths and ints only (atomic under the GIL; a value may be one step old)."""
     sched, kv, stats = engine.scheduler, engine.kv, engine.stats
+    # accepted before drafted: the engine counts a verify step's drafts, then what it accepted,
+    # so read in this order the pair never shows more accepted than drafted
+    spec_accepted = stats.spec_accepted_tokens
+    spec_drafted = stats.spec_draft_tokens
     return {
         "llm_num_requests_running": len(sched.running),
         "llm_num_requests_waiting": len(sched.waiting),
@@ -177,6 +181,6 @@ def engine_snapshot(engine) -> dict[str, float]:
         "model_seconds": stats.model_seconds, "collective_seconds": stats.collective_seconds,
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
-        "spec_draft_tokens": stats.spec_draft_tokens,
-        "spec_accepted_tokens": stats.spec_accepted_tokens, "recoveries": stats.recoveries,
+        "spec_draft_tokens": spec_drafted, "spec_accepted_tokens": spec_accepted,
+        "recoveries": stats.recoveries,
     }
