@@ -18,6 +18,7 @@ from backend.engine.stats import EngineStats
 from backend.engine.tp.channel import peer_host
 from backend.parallel.shm_comm import PeerLostError
 from backend.triton.metrics import Metrics, engine_snapshot
+from tests.idle_engine import idle_engine
 from tests.test_triton_responder import FakePB
 
 # what torch's gloo said when the remote launcher was killed mid-stream (the report)
@@ -210,18 +211,10 @@ def test_engine_fails_the_stream_refuses_meanwhile_then_serves():
 
 
 def test_rebuilds_counted_in_metrics():
-    class Engine:
-        class scheduler:
-            running, waiting = [], []
-
-        class kv:
-            num_used_blocks, num_blocks = 0, 8
-
-        stats = EngineStats()
-
+    engine = idle_engine(EngineStats())
     metrics = Metrics(FakePB, {"model": "llm"}, interval=0)
-    Engine.stats.recoveries = 1
-    metrics.refresh(engine_snapshot(Engine))
-    Engine.stats.recoveries = 3
-    metrics.refresh(engine_snapshot(Engine))
+    engine.stats.recoveries = 1
+    metrics.refresh(engine_snapshot(engine))
+    engine.stats.recoveries = 3
+    metrics.refresh(engine_snapshot(engine))
     assert metrics.counter["llm_tp_group_rebuilds_total"].value == 3

@@ -257,6 +257,7 @@ def test_engine_snapshot_never_shows_more_accepted_than_drafted():
     so accepted is read first)."""
     from backend.engine.stats import EngineStats
     from backend.triton.metrics import engine_snapshot
+    from tests.idle_engine import idle_engine
 
     class RacingStats(EngineStats):
         """Runs one verify step (3 drafts, all accepted) right after the first read of either
@@ -271,15 +272,7 @@ def test_engine_snapshot_never_shows_more_accepted_than_drafted():
                 self.spec_accepted_tokens += 3
             return value
 
-    class Engine:
-        class scheduler:
-            running, waiting = [], []
-
-        class kv:
-            num_used_blocks, num_blocks = 0, 8
-
-        stats = RacingStats()
-
-    snap = engine_snapshot(Engine)
-    assert Engine.stats.stepped
+    engine = idle_engine(RacingStats())
+    snap = engine_snapshot(engine)
+    assert engine.stats.stepped
     assert snap["spec_accepted_tokens"] <= snap["spec_draft_tokens"], snap
