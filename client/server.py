@@ -134,10 +134,16 @@ class Server:
         `quiet` s apart agree. For counters read together after the requests behind them have
         ended: the model refreshes them from the engine at least every 0.5 s while idle, so a
         single read may still hold an earlier refresh's values, and two reads at different
-        times mix two refreshes."""
+        times mix two refreshes. A name with no series exported raises KeyError, as metric()."""
         def scrape() -> dict[str, float]:
             got = self.metrics(names[0].split("_", 1)[0] + "_")
-            return {n: sum(v for k, v in got.items() if k.partition("{")[0] == n) for n in names}
+            out = {}
+            for n in names:
+                series = [v for k, v in got.items() if k.partition("{")[0] == n]
+                if not series:
+                    raise KeyError(f"no metric series {n} exported")
+                out[n] = sum(series)
+            return out
         deadline = time.monotonic() + timeout
         last = scrape()
         while True:

@@ -76,4 +76,5 @@ def test_lora_requests_match_offline(lora_server, default_model_dir):
     status, _ = _http(server, {"text_input": PROMPTS[0], "parameters": {"lora_name": "doll"}})
     assert status == 200  # still serving
     assert server.wait_metric("llm_lora_requests_total", lambda v: v >= 5, lora_name="doll") == 5
-    assert server.metric("llm_cold_path_events_total") == 0
+    cold = server.settled_metrics(("llm_cold_path_events_total",))
+    assert cold["llm_cold_path_events_total"] == 0

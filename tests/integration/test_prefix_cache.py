@@ -37,9 +37,12 @@ def _expected_cached(cached_ids: list[int], ids: list[int]) -> int:
 
 
 def test_counters_and_num_cached_tokens(server, tokenizer, greedy):
-    q0 = server.metric("llm_prefix_cache_queries_total")
-    h0 = server.metric("llm_prefix_cache_hits_total")
-    s0 = server.metric("llm_engine_scheduled_tokens_total")
+    # the baselines from one settled scrape: an earlier refresh's values would count the
+    # requests before this test as this test's
+    base = server.settled_metrics(("llm_prefix_cache_queries_total",
+                                   "llm_prefix_cache_hits_total",
+                                   "llm_engine_scheduled_tokens_total"))
+    q0, h0, s0 = base.values()
     prompts = [SYSTEM + "When does the museum open?", SYSTEM + "Can I climb to the lamp room?"]
     ids = [tokenizer.encode(p) for p in prompts]
     fields = {"max_tokens": 12, "temperature": 0.0, "return_num_cached_tokens": True,
@@ -63,7 +66,8 @@ def test_counters_and_num_cached_tokens(server, tokenizer, greedy):
                               lambda v: v >= s0 + ran) == s0 + ran
     without = generate({"text_input": prompts[1], "max_tokens": 2}, "grpc", server.grpc_url)
     assert "num_cached_tokens" not in without  # only when asked for
-    assert server.metric("llm_cold_path_events_total") == 0
+    cold = server.settled_metrics(("llm_cold_path_events_total",))
+    assert cold["llm_cold_path_events_total"] == 0
 
 
 def test_cancel_of_a_sharer_leaves_the_other_stream_intact(server, greedy):
