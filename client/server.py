@@ -61,6 +61,20 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return 0, ""
 
 
+def _series_total(scraped: dict[str, float], name: str, labels: dict[str, str] | None = None
+                  ) -> float:
+    """Sum of `name` over the scraped series ({'name{labels}': value}) matching `labels`;
+    KeyError when none does."""
+    values = []
+    for key, v in scraped.items():
+        base, _, lab = key.partition("{")
+        if base == name and all(f'{k}="{val}"' in lab for k, val in (labels or {}).items()):
+            values.append(v)
+    if not values:
+        raise KeyError(f"no metric series {name}{labels or ''} exported")
+    return sum(values)
+
+
 class Server:
     def __init__(self, repo: Path, log_path: Path, extra: list[str] = (), env: dict | None = None,
                  wrap: list[str] = ()):
@@ -116,17 +130,12 @@ class Server:
         """Sum of `name` over the series matching `labels`. No such series raises KeyError (a
         renamed or never-exported metric must not read as 0), unless a `default` is given: for
         series that appear at their first event (llm_requests_total per finish_reason)."""
-        total, found = 0.0, False
-        for key, v in self.metrics(name.split("_", 1)[0] + "_").items():
-            base, _, lab = key.partition("{")
-            if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
-                total += v
-                found = True
-        if not found:
+        try:
+            return _series_total(self.metrics(name.split("_", 1)[0] + "_"), name, labels)
+        except KeyError:
             if default is None:
-                raise KeyError(f"no metric series {name}{labels or ''} exported")
+                raise
             return default
-        return total
 
     def settled_metrics(self, names: tuple[str, ...], quiet: float = 0.7,
                         timeout: float = 15.0) -> dict[str, float]:
@@ -137,13 +146,7 @@ class Server:
         times mix two refreshes. A name with no series exported raises KeyError, as metric()."""
         def scrape() -> dict[str, float]:
             got = self.metrics(names[0].split("_", 1)[0] + "_")
-            out = {}
-            for n in names:
-                series = [v for k, v in got.items() if k.partition("{")[0] == n]
-                if not series:
-                    raise KeyError(f"no metric series {n} exported")
-                out[n] = sum(series)
-            return out
+            return {n: _series_total(got, n) for n in names}
         deadline = time.monotonic() + timeout
         last = scrape()
         while True:
