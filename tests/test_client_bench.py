@@ -238,3 +238,25 @@ def test_bench_step_parts_smoke(tmp_path: Path) -> None:
     assert "timed in place" in proc.stdout and "head, sampling, Python" in proc.stdout
     assert "joins' waits" in proc.stdout
     assert data["info"]["cpu"] in proc.stdout  # the report names the CPU
+
+
+def test_coldstart_runs_share_lengths_not_prompts() -> None:
+    """bench coldstart's three runs must do the same work without one hitting the prefix cache
+    another filled (prefix caching is on as served): the same input lengths and output budgets,
+    no two prompts alike."""
+    from client.bench.bench_coldstart import make_requests
+
+    class Tokenizer:  # ids as text: lengths stay countable
+        vocab_size = 5000
+
+        @staticmethod
+        def decode(ids):
+            return " ".join(map(str, ids))
+
+    runs = [make_requests(Tokenizer, 16, 64, 32, 0.5, seed=7, variant=v) for v in range(3)]
+    shape = [[(len(p.split()), m) for p, m in run] for run in runs]
+    assert shape[0] == shape[1] == shape[2]
+    assert {n for n, _ in shape[0]} != {64}  # lengths do vary within a run
+    prompts = [p for run in runs for p, _ in run]
+    assert len(set(prompts)) == len(prompts)
+    assert make_requests(Tokenizer, 16, 64, 32, 0.5, seed=7, variant=1) == runs[1]

@@ -2,9 +2,10 @@
 tenth? (seed 004)
 
 Protocol, against a freshly started server each time: warm with short prompts (N = 1, 8, 32;
-input ~256, output ~128, lengths uniform in [ratio*L, L]), then run the same long-prompt set
-three times (64 prompts, input ~512, output ~256, fixed seed), all requests of a run submitted
-at once on one gRPC stream. Reports output tok/s per run and run1 / median(run2, run3) (target
+input ~256, output ~128, lengths uniform in [ratio*L, L]), then run a long-prompt set three
+times (64 prompts, input ~512, output ~256, fixed seed), all requests of a run submitted at once
+on one gRPC stream. Each run has the same lengths and output budgets but its own tokens: with
+prefix caching on (as served) a run resending the first run's prompts would skip their prefill. Reports output tok/s per run and run1 / median(run2, run3) (target
 >= 0.97), once with warmup (as served) and once with warmup disabled, to show what it buys,
 plus the server's cold-path counter after each phase.
 """
@@ -24,14 +25,15 @@ from client.server import Server, make_repo
 
 
 def make_requests(tokenizer, n: int, in_len: int, out_len: int, ratio: float,
-                  seed: int) -> list[tuple[str, int]]:
-    """(prompt text of ~L tokens, max_tokens) pairs; lengths uniform in [ratio * L, L]."""
-    rng = random.Random(seed)
+                  seed: int, variant: int = 0) -> list[tuple[str, int]]:
+    """(prompt text of ~L tokens, max_tokens) pairs; lengths uniform in [ratio * L, L], drawn
+    from `seed`; the tokens from (`seed`, `variant`): other variants, the same lengths."""
+    rng, tokens = random.Random(seed), random.Random(f"{seed}/{variant}")
     vocab = tokenizer.vocab_size
     out = []
     for _ in range(n):
         n_in = rng.randint(max(1, int(in_len * ratio)), in_len)
-        ids = [rng.randrange(1000, vocab - 1000) for _ in range(n_in)]
+        ids = [tokens.randrange(1000, vocab - 1000) for _ in range(n_in)]
         out.append((tokenizer.decode(ids), rng.randint(max(1, int(out_len * ratio)), out_len)))
     return out
 
@@ -78,9 +80,9 @@ def protocol(args, warmup: bool, tokenizer, workdir: Path) -> dict:
             reqs = make_requests(tokenizer, n, 256, 128, args.ratio, seed=n)
             res["warm_phase"].append({"n": n, **run_batch(srv.grpc_url, reqs)})
         res["cold_after_warm_phase"] = cold_count(srv)
-        long = make_requests(tokenizer, args.prompts, args.input_len, args.output_len, args.ratio,
-                             seed=args.seed)
         for r in range(3):
+            long = make_requests(tokenizer, args.prompts, args.input_len, args.output_len,
+                                 args.ratio, seed=args.seed, variant=r)
             res["runs"].append(run_batch(srv.grpc_url, long))
             print(f"  warmup={warmup} run {r + 1}: {res['runs'][-1]['tok_s']:.1f} output tok/s",
                   flush=True)
