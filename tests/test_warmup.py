@@ -81,8 +81,41 @@ def _varied_workload(llm: LLM, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """More layers than warmup runs its prompt buckets through (WARM_LAYERS): what it skips
+    must leave nothing cold."""
+    from backend.engine.warmup import WARM_LAYERS
     from tests.tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_warm"))
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_warm"),
+                                layers=WARM_LAYERS + 2)
+
+
+def test_prompt_buckets_warm_through_the_first_layers(tiny, monkeypatch):
+    """Each bucket with a prompt chunk runs the first WARM_LAYERS layers in warmup (then the
+    norm, head and sampler), every later layer none; real prompt steps run all of them, and
+    meet no shape warmup did not run."""
+    from backend.engine.warmup import WARM_LAYERS
+    from backend.model.llama import DecoderLayer
+
+    prompt_calls: list[int] = []  # id of each layer a step with a prompt chunk ran
+    real = DecoderLayer.__call__
+
+    def spy(self, x, residual, meta, kv_cache):
+        if meta.prefills:
+            prompt_calls.append(id(self))
+        return real(self, x, residual, meta, kv_cache)
+
+    monkeypatch.setattr(DecoderLayer, "__call__", spy)
+    llm = LLM(model=str(tiny), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=96)
+    layers = [id(layer) for layer in llm.engine.runner.model.layers]
+    buckets = len(llm.engine.plan.token_sizes)
+    assert [prompt_calls.count(i) for i in layers] == (
+        [buckets] * WARM_LAYERS + [0] * (len(layers) - WARM_LAYERS))
+    prompt_calls.clear()
+    _varied_workload(llm, seed=3)
+    counts = [prompt_calls.count(i) for i in layers]
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+    assert llm.engine.cold_path.total == 0, llm.engine.cold_path.snapshot()
 
 
 def test_no_cold_path_after_ready(tiny):

@@ -111,7 +111,7 @@ class ModelRunner:
                                                 *_meta_arrays(inputs))
         lora = None if inputs.lora_ids is None else row_groups(inputs.lora_ids, self.device)
         return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx,
-                          inputs.argmax_only, lora)
+                          inputs.argmax_only, lora, inputs.layer_limit)
 
     def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
         """Attention inputs of a step from its _meta_arrays, already on the device."""

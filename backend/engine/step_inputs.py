@@ -29,6 +29,7 @@ class StepInputs:
     num_padding: int = 0  # trailing rows that attend to nothing (steps with prompt chunks)
     argmax_only: bool = False  # every sampling row takes its argmax only (Sampler.argmax_only)
     lora_ids: np.ndarray | None = None  # [T] each row's LoRA adapter (0: none); None: no row has one
+    layer_limit: int | None = None  # warmup only: run the first n decoder layers (None: all)
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,12 @@
-"""Runs every bucket of the plan through a full step (all TP ranks, then the sampler) before the
-engine reports ready, so the first real request pays for nothing the tenth does not."""
+"""Runs every bucket of the plan through a step (all TP ranks, then the sampler) before the
+engine reports ready, so the first real request pays for nothing the tenth does not.
+
+Decode buckets run whole (the fused stack binds each layer on its first step). Buckets with a
+prompt chunk run their first WARM_LAYERS decoder layers, then the norm, head and sampler: every
+layer runs the same shapes through the same code, so the GEMM libraries' per-shape kernels, the
+attention's and the sampler's first calls are all met there, and the largest buckets, most of a
+whole-model warmup's time, cost a fraction of it (docs/decisions.md, "Warmup runs prompt
+buckets through two layers")."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +21,9 @@ from backend.engine.sequence import Sequence
 from backend.engine.step_inputs import StepInputs
 
 log = logging.getLogger("backend.engine")
+
+# The first layer adds no residual; the second is every later layer's code path.
+WARM_LAYERS = 2
 
 # Exercise every sampler path: greedy, and random with every filter and penalty on.
 _PARAMS = (SamplingParams(temperature=0.0),
@@ -47,7 +57,7 @@ def mixed_step(tokens: int, num_blocks: int, block_size: int, max_len: int,
         np.concatenate([step.slot_mapping, slots]),
         np.concatenate([step.logits_indices, [tokens - 1]]).astype(np.int64),
         step.decode_block_tables, step.decode_context_lens,
-        prefills=[(d, n, n, table.astype(np.int64))])
+        prefills=[(d, n, n, table.astype(np.int64))], layer_limit=WARM_LAYERS)
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, SmolLM2) over a paged KV cache."""
 from __future__ import annotations
 
+from itertools import islice
 from types import ModuleType
 
 import torch
@@ -132,7 +133,8 @@ class LlamaForCausalLM(DirectModule):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None, argmax_only: bool = False,
-                lora: list | None = None) -> torch.Tensor | GreedyPicks | None:
+                lora: list | None = None, layer_limit: int | None = None
+                ) -> torch.Tensor | GreedyPicks | None:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
         (ascending: the last token of each sequence that samples this step), or [0, V] when
         none.
@@ -142,7 +144,11 @@ class LlamaForCausalLM(DirectModule):
         GreedyPicks instead (backend/model/greedy_head.py).
         lora: the step's LoRA adapter rows (lora_layers.row_groups: StepLora); a decode step
         with them runs fused where the kernels add the deltas (ops.FUSED_LORA: float32), else the
-        modular path."""
+        modular path.
+        layer_limit: run only the first n decoder layers, then the norm and head: warmup's steps
+        with prompt chunks (engine/warmup.py). Every layer runs the same shapes through the same
+        code, so the first two (the first has no residual to add) meet all a step's shapes at a
+        fraction of its time; a decode-only step, which runs fused, takes none."""
         if self.lora_rows is not None:
             self.lora_rows.set(lora)
         elif lora:
@@ -153,8 +159,10 @@ class LlamaForCausalLM(DirectModule):
         residual = None
         ids = lora.ids if lora else None
         if not self._fused_step(x, meta, bool(lora)):
-            for layer, kv in zip(self.layers, kv_caches):
+            for layer, kv in zip(islice(self.layers, layer_limit), kv_caches):
                 x, residual = layer(x, residual, meta, kv)
+        elif layer_limit is not None:
+            raise ValueError("layer_limit is for steps with prompt chunks, not fused decode steps")
         else:
             self.fused_lora_steps += ids is not None
             x, residual = self._fused_layers(x, meta, kv_caches, ids)
