@@ -1,16 +1,17 @@
 """Runs every bucket of the plan through a step (all TP ranks, then the sampler) before the
 engine reports ready, so the first real request pays for nothing the tenth does not.
 
-Decode buckets run whole (the fused stack binds each layer on its first step). Buckets with a
-prompt chunk run their first WARM_LAYERS decoder layers, then the norm, head and sampler: every
-layer runs the same shapes through the same code, so the GEMM libraries' per-shape kernels, the
-attention's and the sampler's first calls are all met there, and the largest buckets, most of a
-whole-model warmup's time, cost a fraction of it (docs/decisions.md, "Warmup runs prompt
-buckets through two layers")."""
+Decode buckets run whole (the fused stack binds each layer on its first step), and so does every
+bucket with LoRA adapters' rows. Other buckets with a prompt chunk run their first WARM_LAYERS
+layers, then the norm, head and sampler: every layer runs the same shapes through the same code,
+so the GEMM libraries' per-shape kernels, the attention's and the sampler's first calls are all
+met there, and the largest buckets, most of a whole-model warmup's time, cost a fraction of it
+(docs/decisions.md, "Warmup runs prompt buckets through two layers")."""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -71,7 +72,9 @@ def warm_up(engine) -> float:
     steps += [mixed_step(t, kv.num_blocks, kv.block_size, engine.max_model_len,
                          engine.config.max_num_seqs)
               for t in plan.token_sizes]
-    steps += engine.loras.warmup_steps(steps)  # with LoRA adapters: each step with their rows
+    # With LoRA adapters, each step again with their rows, through every layer: an adapter may
+    # target any layers, each its own projections, so no first few layers hold every shape.
+    steps += [replace(s, layer_limit=None) for s in engine.loras.warmup_steps(steps)]
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)
         rows = [Sequence(f"warmup-{j}", [1, 2, 3], 2, _PARAMS[j % 2], j)
