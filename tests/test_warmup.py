@@ -89,22 +89,28 @@ def tiny(tmp_path_factory):
                                 layers=WARM_LAYERS + 2)
 
 
+def _prompt_layer_calls(monkeypatch) -> list[int]:
+    """The id of each decoder layer a step with a prompt chunk runs, in order, from now on."""
+    from backend.model.llama import DecoderLayer
+    calls: list[int] = []
+    real = DecoderLayer.__call__
+
+    def spy(self, x, residual, meta, kv_cache):
+        if meta.prefills:
+            calls.append(id(self))
+        return real(self, x, residual, meta, kv_cache)
+
+    monkeypatch.setattr(DecoderLayer, "__call__", spy)
+    return calls
+
+
 def test_prompt_buckets_warm_through_the_first_layers(tiny, monkeypatch):
     """Each bucket with a prompt chunk runs the first WARM_LAYERS layers in warmup (then the
     norm, head and sampler), every later layer none; real prompt steps run all of them, and
     meet no shape warmup did not run."""
     from backend.engine.warmup import WARM_LAYERS
-    from backend.model.llama import DecoderLayer
 
-    prompt_calls: list[int] = []  # id of each layer a step with a prompt chunk ran
-    real = DecoderLayer.__call__
-
-    def spy(self, x, residual, meta, kv_cache):
-        if meta.prefills:
-            prompt_calls.append(id(self))
-        return real(self, x, residual, meta, kv_cache)
-
-    monkeypatch.setattr(DecoderLayer, "__call__", spy)
+    prompt_calls = _prompt_layer_calls(monkeypatch)
     llm = LLM(model=str(tiny), num_kv_blocks=128, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=96)
     layers = [id(layer) for layer in llm.engine.runner.model.layers]
@@ -120,26 +126,17 @@ def test_prompt_buckets_warm_through_the_first_layers(tiny, monkeypatch):
 
 def test_prompt_buckets_with_adapter_rows_warm_through_every_layer(tiny, tmp_path, monkeypatch):
     """An adapter may target any layers: warmup's steps with adapter rows run them all, and
-    then a prompt with an adapter on only the last layers meets nothing cold."""
+    then a prompt with an adapter on only the last layer meets nothing cold."""
     from peft import LoraConfig, get_peft_model
 
     from backend.engine.warmup import WARM_LAYERS
-    from backend.model.llama import DecoderLayer
     from tests.tiny_models import hf_model
 
-    last = WARM_LAYERS + 1  # the tiny model's last layer: one warmup's plain steps skip
+    last = WARM_LAYERS + 1  # the tiny model's last layer, which plain prompt buckets skip
     peft = get_peft_model(hf_model(tiny), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], layers_to_transform=[last]))
     peft.save_pretrained(tmp_path / "late", safe_serialization=True)
-    prompt_calls: list[int] = []
-    real = DecoderLayer.__call__
-
-    def spy(self, x, residual, meta, kv_cache):
-        if meta.prefills:
-            prompt_calls.append(id(self))
-        return real(self, x, residual, meta, kv_cache)
-
-    monkeypatch.setattr(DecoderLayer, "__call__", spy)
+    prompt_calls = _prompt_layer_calls(monkeypatch)
     llm = LLM(model=str(tiny), num_kv_blocks=128, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=96, enable_lora=True, max_lora_rank=4,
               lora_modules={"late": str(tmp_path / "late")})
@@ -150,7 +147,8 @@ def test_prompt_buckets_with_adapter_rows_warm_through_every_layer(tiny, tmp_pat
     assert [prompt_calls.count(id(layer)) for layer in model.layers] == (
         [2 * buckets] * WARM_LAYERS + [buckets] * (len(model.layers) - WARM_LAYERS))
     outs = llm.generate([list(range(3, 90)), list(range(5, 40))],
-                        [SamplingParams(max_tokens=4, lora_name="late"), SamplingParams(max_tokens=4)])
+                        [SamplingParams(max_tokens=4, lora_name="late"),
+                         SamplingParams(max_tokens=4)])
     assert [len(o.token_ids) for o in outs] == [4, 4]
     assert llm.engine.cold_path.total == 0, llm.engine.cold_path.snapshot()
 

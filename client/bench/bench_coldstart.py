@@ -5,9 +5,10 @@ Protocol, against a freshly started server each time: warm with short prompts (N
 input ~256, output ~128, lengths uniform in [ratio*L, L]), then run a long-prompt set three
 times (64 prompts, input ~512, output ~256, fixed seed), all requests of a run submitted at once
 on one gRPC stream. Each run has the same lengths and output budgets but its own tokens: with
-prefix caching on (as served) a run resending the first run's prompts would skip their prefill. Reports output tok/s per run and run1 / median(run2, run3) (target
->= 0.97), once with warmup (as served) and once with warmup disabled, to show what it buys,
-plus the server's cold-path counter after each phase.
+prefix caching on (as served) a run resending the first run's prompts would skip their prefill.
+Reports output tok/s per run and run1 / median(run2, run3) (target >= 0.97), once with warmup
+(as served) and once with warmup disabled, to show what it buys, plus the server's cold-path
+counter after each phase.
 """
 from __future__ import annotations
 
