@@ -58,7 +58,7 @@ def mixed_step(tokens: int, num_blocks: int, block_size: int, max_len: int,
         np.concatenate([step.slot_mapping, slots]),
         np.concatenate([step.logits_indices, [tokens - 1]]).astype(np.int64),
         step.decode_block_tables, step.decode_context_lens,
-        prefills=[(d, n, n, table.astype(np.int64))], layer_limit=WARM_LAYERS)
+        prefills=[(d, n, n, table.astype(np.int64))])
 
 
 @torch.inference_mode()
@@ -74,7 +74,8 @@ def warm_up(engine) -> float:
               for t in plan.token_sizes]
     # With LoRA adapters, each step again with their rows, through every layer: an adapter may
     # target any layers, each its own projections, so no first few layers hold every shape.
-    steps += [replace(s, layer_limit=None) for s in engine.loras.warmup_steps(steps)]
+    lora_steps = engine.loras.warmup_steps(steps)
+    steps = [replace(s, layer_limit=WARM_LAYERS) if s.prefills else s for s in steps] + lora_steps
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)
         rows = [Sequence(f"warmup-{j}", [1, 2, 3], 2, _PARAMS[j % 2], j)
