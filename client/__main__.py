@@ -281,6 +281,14 @@ def _cmd_serving(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.chat", max_tokens=256)
 
 
+def _cmd_random_model(sub: argparse._SubParsersAction) -> None:
+    from client.random_model import add_arguments
+    p = sub.add_parser("random-model", help="a random checkpoint with a released model's shapes "
+                                            "(a family's speed without its weights)")
+    add_arguments(p)
+    p.set_defaults(runner="client.random_model")
+
+
 def _cmd_soak(sub: argparse._SubParsersAction) -> None:
     from client.soak import add_arguments
     p = sub.add_parser("soak", help="long mixed load (streaming or not, cancelled, invalid) "
@@ -306,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cmd_bench(sub)
     _cmd_serving(sub)
     _cmd_soak(sub)
+    _cmd_random_model(sub)
     _cmd_tools(sub)
     return parser
 

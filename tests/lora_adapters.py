@@ -18,8 +18,9 @@ def make_adapter(model_dir: Path, out_dir: Path, r: int = 8, alpha: float = 16.0
 
     from tests.tiny_models import hf_model
 
-    model = get_peft_model(hf_model(model_dir), LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+    base = hf_model(model_dir)
+    model = get_peft_model(base, LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=_in_checkpoint(base, targets), use_rslora=rslora,
         lora_dropout=0.0, bias="none"))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -28,6 +29,17 @@ def make_adapter(model_dir: Path, out_dir: Path, r: int = 8, alpha: float = 16.0
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _in_checkpoint(model, targets: list[str]) -> list[str]:
+    """The targets as the checkpoint names its modules: Phi-3's fused qkv_proj / gate_up_proj
+    stand for q/k/v and gate/up."""
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    return sorted({t if t in names else _FUSED[t] for t in targets})
 
 
 def merged_model(model_dir: Path, adapter_dir: Path | None):

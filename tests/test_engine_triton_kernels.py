@@ -80,9 +80,8 @@ def _logits_through_paged_cache(model, cfg: ModelConfig, device: str,
             slots += [tables[s][p // bs] * bs + p % bs for p in range(c0, c0 + n)]
             last.append(len(ids) - 1)
             done[s] += n
-        cos, sin = rot.lookup(torch.tensor(pos))
-        meta = AttentionMetadata(torch.tensor(slots, device=device), cos.to(device),
-                                 sin.to(device), prefills=chunks)
+        rope = {k: t.to(device) for k, t in rot.lookup_all(torch.tensor(pos)).items()}
+        meta = AttentionMetadata(torch.tensor(slots, device=device), prefills=chunks, **rope)
         decodes = [s for s, n in step if n == 1]
         if decodes:
             lens = [done[s] for s in decodes]
@@ -104,20 +103,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_model_logits_triton_match_torch(tiny_llama, monkeypatch):
+# the families whose parts the Triton path computes (q/k norms, GeGLU, sandwich norms, windows
+# shorter than the sequences, soft caps, local rope, partial rotary)
+FAMILIES = ("llama", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_model_logits_triton_match_torch(arch, tiny_llama, tmp_path, monkeypatch):
     """float32: Triton on DEVICE equals the torch path on CPU up to summation order. bfloat16:
     both paths round differently at every layer, so each is measured against the float32
     torch logits and the Triton path may be at most modestly less accurate than torch's."""
+    model_dir = tiny_llama if arch == "llama" else make_tiny_checkpoint(
+        arch, tmp_path, vocab_size=256, layers=2)
     monkeypatch.setenv(KERNELS_ENV, "torch")
     ref = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model, cfg = _load(tiny_llama, "cpu", dtype)
+        model, cfg = _load(model_dir, "cpu", dtype)
         assert model.ops is reference
         ref[dtype] = _logits_through_paged_cache(model, cfg, "cpu", dtype)
     monkeypatch.setenv(KERNELS_ENV, "auto" if DEVICE == "cuda" else "triton")
     got = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model, cfg = _load(tiny_llama, DEVICE, dtype)
+        model, cfg = _load(model_dir, DEVICE, dtype)
         assert model.ops is triton_ops
         got[dtype] = _logits_through_paged_cache(model, cfg, DEVICE, dtype)
     exact = ref[torch.float32]

@@ -1,11 +1,17 @@
-"""Tiny random Llama / Qwen2 / Mistral checkpoints made with transformers, saved as safetensors."""
+"""Tiny random checkpoints of every family we load, made with transformers, saved as safetensors.
+
+Each family's tiny config exercises what sets it apart (backend/model/family.py): GQA ratios
+other than 2, head_dim != hidden / heads, tied and untied heads, sliding windows shorter than
+the tests' prompts, soft caps that bite, partial rotary with longrope."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3")
+# a window the tests' prompts (30 tokens and more) outgrow
+TINY_WINDOW = 8
 
 
 def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
@@ -34,15 +40,42 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=4096)
+        cfg = tf.MistralConfig(**common, sliding_window=TINY_WINDOW)
         cls = tf.MistralForCausalLM
+    elif arch == "qwen3":  # head_dim 24 != 96 / 6, GQA 3, tied
+        cfg = tf.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=24)
+        cls = tf.Qwen3ForCausalLM
+    elif arch == "gemma2":  # caps small enough to bite on these logits
+        cfg = tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=32,
+                              query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                              attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                              pad_token_id=0)
+        cls = tf.Gemma2ForCausalLM
+    elif arch == "gemma3":  # local layers with their own rope, a global one with linear scaling
+        types = ["sliding_attention", "full_attention"] * layers
+        cfg = tf.Gemma3TextConfig(
+            **common, head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            layer_types=types[:layers], pad_token_id=0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1e6}})
+        cls = tf.Gemma3ForCausalLM
+    elif arch == "phi3":  # fused qkv / gate_up, partial rotary (3/4), longrope
+        half = int(hidden_size // num_heads * 0.75) // 2
+        cfg = tf.Phi3Config(
+            **{**common, "max_position_embeddings": 4096}, original_max_position_embeddings=1024,
+            pad_token_id=0, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [2.0 + 0.3 * i for i in range(half)]})
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32)
     with torch.no_grad():  # random init is tiny; scale up so logits are well separated
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # away from neutral: 1 for Llama's norms, 0 for Gemma's (1 + w)
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)

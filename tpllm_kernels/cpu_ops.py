@@ -21,9 +21,9 @@ from tpllm_kernels import cpu_threading as _threads
 from tpllm_kernels import reference as _ref
 from tpllm_kernels.cpu_ext import load
 # the fused decode stack's calls, re-exported: the model calls them through this namespace
-from tpllm_kernels.cpu_fused_decode import (FUSED_DECODE, decode_attention_half,  # noqa: F401
-                                            decode_layer, decode_mlp_half, decode_stack,
-                                            decode_stack_tp)
+from tpllm_kernels.cpu_fused_decode import (FUSED_DECODE, FUSED_FAMILY_PARTS,  # noqa: F401
+                                            decode_attention_half, decode_layer,
+                                            decode_mlp_half, decode_stack, decode_stack_tp)
 from tpllm_kernels.metadata import DecodeBatch, PrefillChunk, uniform_kv_index
 
 _ext = load()
@@ -45,17 +45,21 @@ _STORAGE = (torch.float32, torch.bfloat16)  # what the C++ kernels read and writ
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: DecodeBatch, scale: float,
-                     kv_index: torch.Tensor | None = None, num_splits: int = 0) -> torch.Tensor:
+                     kv_index: torch.Tensor | None = None, num_splits: int = 0, *,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy), each block once, and splits
     # long contexts of short batches across threads; head_dim 64 has its own two-pass kernel
     # (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches). Gathering the blocks and
     # calling SDPA copied every sequence's whole context each layer: about 3x the kernel's time.
+    # A sliding window's kernel reads only the blocks the window reaches.
     if q.dtype not in _STORAGE:
-        return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index)
+        return _ref.decode_attention(q, k_cache, v_cache, batch, scale, kv_index,
+                                     window=window, softcap=softcap)
     if kv_index is None:
         kv_index = uniform_kv_index(q.shape[1], k_cache.shape[2])
     return _ext.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
-                                       batch.context_lens, scale, kv_index, num_splits)
+                                       batch.context_lens, scale, kv_index, num_splits,
+                                       window, softcap)
 
 
 @lru_cache(maxsize=8)
@@ -65,16 +69,19 @@ def _fast_prefill(head_dim: int) -> bool:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
-                      kv_index: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_index: torch.Tensor | None = None, *, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     # float32, head_dim 64, AVX2/AVX-512: register-tiled C++ over the paged cache, a cached prefix
-    # included (csrc/prefill_attention.cpp says why it beats SDPA). Else torch's SDPA.
+    # included (csrc/prefill_attention.cpp says why it beats SDPA). Else torch's SDPA (with a
+    # window or softcap: the reference's masked or explicit form).
     if (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and _fast_prefill(q.shape[-1])
             and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
         if kv_index is None:
             kv_index = uniform_kv_index(q.shape[1], k_cache.shape[2])
         return _ext.paged_prefill_attention(q, k_cache, v_cache, chunk.block_table,
-                                            chunk.context_len, scale, kv_index)
-    return _ref.prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, kv_index)
+                                            chunk.context_len, scale, kv_index, window, softcap)
+    return _ref.prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, kv_index,
+                                  window=window, softcap=softcap)
 
 
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
@@ -371,3 +378,20 @@ def begin_forward(rows: int, dtype: torch.dtype) -> None:
     linears are GEMMs runs them on OpenMP: cpu_threading.place_loops)."""
     gemv_rows = SMALL_M if dtype == torch.float32 else _BF16_GEMV_ROWS
     _threads.place_loops(rows > gemv_rows)
+
+
+# The family parts (backend/model/family.py) outside the fused decode stack. GeGLU and the
+# final cap are torch's ops, as the fused stack computes GeGLU too (csrc/elementwise.cpp).
+gelu_tanh_mul = _ref.gelu_tanh_mul
+soft_cap = _ref.soft_cap
+
+
+def qk_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q: int,
+             num_kv: int, eps: float) -> torch.Tensor:
+    """As the reference's, in C++ (the fused decode stack's kernel: the same bits on every
+    path)."""
+    if (qkv.dtype not in _STORAGE or not qkv.is_contiguous() or q_weight.dtype != qkv.dtype
+            or k_weight.dtype != qkv.dtype):
+        return _ref.qk_norm_(qkv, q_weight, k_weight, num_q, num_kv, eps)
+    _ext.qk_norm_(qkv, q_weight, k_weight, num_q, num_kv, eps)
+    return qkv

@@ -75,6 +75,15 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None  # the first decode.size rows of the batch
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_padding: int = 0  # trailing rows after the prefill chunks that attend to nothing
+    # windowed layers' own rotary tables where they have their own rope (Gemma 3), else None
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+
+    def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) a layer rotates with: the local pair for a layer that has one."""
+        if local and self.local_cos is not None:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
     @property
     def num_decodes(self) -> int:

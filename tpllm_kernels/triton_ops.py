@@ -4,7 +4,9 @@ Imported only when chosen (tpllm_kernels.select_ops), so the CPU path never load
 write_kv stays torch's index_copy_: one memory-bound copy that already runs as a single CUDA
 kernel per tensor and is capturable in CUDA graphs; linear stays cuBLAS.
 """
-from tpllm_kernels.reference import linear, write_kv
+# q/k norms, GeGLU and the final soft cap run as torch ops on the GPU: a few elementwise
+# passes per layer, captured with the rest of a decode step in its CUDA graph
+from tpllm_kernels.reference import gelu_tanh_mul, linear, qk_norm_, soft_cap, write_kv
 from tpllm_kernels.triton_activation import silu_mul
 from tpllm_kernels.triton_attention import (decode_attention, prefill_attention,
                                             prefill_attention_varlen)
@@ -23,6 +25,7 @@ def rotary_write_kv(qkv, cos, sin, num_q, num_kv, k_cache, v_cache, slot_mapping
     write_kv(qk[:, num_q:], v, k_cache, v_cache, slot_mapping)
     return qk[:, :num_q], qk[:, num_q:], v
 
-__all__ = ["linear", "rms_norm", "add_rms_norm", "silu_mul", "rotary", "rotary_write_kv", "write_kv",
+__all__ = ["linear", "rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "qk_norm_",
+           "soft_cap", "rotary", "rotary_write_kv", "write_kv",
            "decode_attention",
            "prefill_attention", "prefill_attention_varlen"]

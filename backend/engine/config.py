@@ -35,7 +35,7 @@ class EngineConfig:
     # its bucket rather than split when the padding is at most this; None = 16 on CPU, 0 (no
     # grouping; pad only when it computes fewer tokens than it would cut) on CUDA
     step_overhead_tokens: int | None = None
-    max_model_len: int | None = None  # None = the model's context (and sliding window)
+    max_model_len: int | None = None  # None = the model's context (max_position_embeddings)
     # CPU float32: a second, packed copy of every linear weight (in the GEMM library's format:
     # tpllm_kernels.cpu_ops.GEMM_LIBRARY) for the full decode batch (max_num_seqs rows) when it is
     # above tpllm_kernels.cpu_ops.SMALL_M (48 with oneDNN, 64 with MKL; up to that the C++

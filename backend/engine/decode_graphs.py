@@ -81,8 +81,7 @@ class DecodeGraphs:
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
               tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         r = self.runner
-        cos, sin = r.rotary.lookup(pos)
-        meta = AttentionMetadata(slot_mapping=slots, cos=cos, sin=sin)
+        meta = AttentionMetadata(slot_mapping=slots, **r.rotary.lookup_all(pos))
         meta.decode = DecodeBatch(tables, lens, self.width * r.block_size, r.block_size,
                                   bounded=True)
         logits = r.model(ids, meta, r.kv_caches, self._rows[:ids.shape[0]])

@@ -90,7 +90,9 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(self.config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        limit = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
+        # sliding windows are served (every attention kernel takes a layer's window): the
+        # model's whole context
+        limit = cfg.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
 
     def _size_kv_cache(self) -> int:

@@ -116,10 +116,9 @@ class ModelRunner:
     def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
         """Attention inputs of a step from its _meta_arrays, already on the device."""
         positions, slot_mapping, *rest = tensors
-        cos, sin = self.rotary.lookup(positions)
         tables = rest[len(rest) - len(inputs.prefills):]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, cos=cos, sin=sin,
+            slot_mapping=slot_mapping, **self.rotary.lookup_all(positions),
             prefills=[PrefillChunk(s, n, c, t) for (s, n, c, _), t in zip(inputs.prefills, tables)],
             num_padding=inputs.num_padding)
         if inputs.decode_block_tables is not None:  # longest context from the host: no sync

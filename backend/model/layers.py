@@ -124,9 +124,11 @@ class ParallelLMHead(DirectModule):
     other ranks return None."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, ctx: ParallelContext,
-                 tied: VocabParallelEmbedding | None = None, ops: ModuleType = reference):
+                 tied: VocabParallelEmbedding | None = None, ops: ModuleType = reference,
+                 softcap: float = 0.0):
         super().__init__()
         self.ctx, self.ops = ctx, ops
+        self.softcap = softcap  # Gemma 2's final logit soft-capping (0: none)
         self.shard_sizes = [e - s for s, e in (split_range(vocab_size, r, ctx.world_size)
                                                for r in range(ctx.world_size))]
         if tied is not None:
@@ -138,7 +140,10 @@ class ParallelLMHead(DirectModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         local = _linear_for(self.ops, x, self.weight, self.ctx.gather_slot)
         logits = self.ctx.gather_first(local, self.shard_sizes)
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        logits = logits.float()
+        return self.ops.soft_cap(logits, self.softcap) if self.softcap else logits
 
     # Greedy steps without reading the whole float32 head (see greedy_head.py).
     screen: GreedyScreen | None = None
@@ -146,8 +151,11 @@ class ParallelLMHead(DirectModule):
     def enable_greedy_screening(self) -> bool:
         """Keep what argmax_logits needs (an int8 copy of the weight in groups of 32, 0.28x its
         bytes again; bf16 where the hidden size is not a multiple of 32, 0.5x), if the kernels
-        can (a float32 head, or a bf16 one with the int8 copy). Returns whether it is on."""
-        self.screen = GreedyScreen.build(self.weight, self.ops)
+        can (a float32 head, or a bf16 one with the int8 copy). Returns whether it is on.
+        Never under a final soft cap: two raw logits the cap rounds to one float32 value tie
+        after it, and the first of them wins transformers' argmax, which the screen's raw
+        argmax need not be."""
+        self.screen = None if self.softcap else GreedyScreen.build(self.weight, self.ops)
         return self.screen is not None
 
     def argmax_logits(self, x: torch.Tensor) -> GreedyPicks | torch.Tensor | None:

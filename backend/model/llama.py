@@ -1,4 +1,7 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, SmolLM2) over a paged KV cache."""
+"""The Llama-shaped decoder over a paged KV cache, for every family backend/model/family.py
+describes: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), Gemma 2 and 3 (GeGLU,
+sandwich norms, soft caps, local/global layers), Phi-3 (fused checkpoint tensors, partial
+rotary). What a family changes is read from its ModelConfig, not from model_type here."""
 from __future__ import annotations
 
 from itertools import islice
@@ -18,16 +21,6 @@ from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
 from tpllm_kernels import reference, select_ops
 
-# checkpoint name suffix -> (our parameter suffix, shard id within a merged parameter)
-_MERGED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
-    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
-}
-
-
 class MLP(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                  ops: ModuleType = reference):
@@ -42,30 +35,45 @@ class MLP(DirectModule):
                                                  bias=cfg.mlp_bias, dtype=dtype, ops=ops)
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,
                                            ctx=ctx, ops=ops)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
+        self.act = ops.gelu_tanh_mul if self.gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(DirectModule):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 ops: ModuleType = reference):
+                 ops: ModuleType = reference, index: int = 0):
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, ctx, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, ops)
+        self.self_attn = Attention(cfg, ctx, dtype, ops, index)
+        # the pre-MLP norm (Llama's name for it; Gemma's pre_feedforward_layernorm)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, ops)
         self.mlp = MLP(cfg, ctx, dtype, ops)
+        # Gemma's sandwich: norms of the attention's and the MLP's outputs, before the residual
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.family.sandwich_norms:
+            self.attn_out_norm = RMSNorm(h, eps, dtype, ops)
+            self.mlp_out_norm = RMSNorm(h, eps, dtype, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the layer's output before its residual add (the next norm adds it)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, meta, kv_cache)
+        if self.attn_out_norm is not None:
+            x = self.attn_out_norm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.mlp_out_norm is not None:
+            x = self.mlp_out_norm(x)
+        return x, residual
 
     def forward_decode(self, x: torch.Tensor, residual: torch.Tensor | None,
                        meta: AttentionMetadata, bound, lora_ids: torch.Tensor | None = None
@@ -82,11 +90,16 @@ class DecoderLayer(DirectModule):
         coll = o_proj.ctx.fused_collective(x.numel(), x.dtype)
         y, residual, arrived, s = ops.decode_attention_half(
             bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode, coll,
-            lora_ids)
+            lora_ids, meta.local_cos, meta.local_sin)
         x = o_proj.finish(y, arrived, s, coll)
+        if self.attn_out_norm is not None:
+            x = self.attn_out_norm(x)
         coll = down_proj.ctx.fused_collective(x.numel(), x.dtype)
         y, residual, arrived, s = ops.decode_mlp_half(bound, x, residual, coll, lora_ids)
-        return down_proj.finish(y, arrived, s, coll), residual
+        x = down_proj.finish(y, arrived, s, coll)
+        if self.mlp_out_norm is not None:
+            x = self.mlp_out_norm(x)
+        return x, residual
 
     def bind_decode(self, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         """This layer's weights, KV cache and LoRA adapters (where attached: each projection's
@@ -99,7 +112,25 @@ class DecoderLayer(DirectModule):
             norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_q,
             attn.num_kv, kv_cache[0], kv_cache[1], attn.scale, attn.kv_index, attn.o_proj.weight,
             attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, lora)
+            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, lora,
+            family=self.family_parts())
+
+    def family_parts(self) -> dict:
+        """What this layer adds to Llama's for the fused decode kernels (decode_layer): q/k norm
+        weights, the sandwich's out-norm weights, GeGLU, the window, the soft cap, the local
+        rope; empty for a Llama-shaped layer."""
+        attn, parts = self.self_attn, {}
+        if attn.q_norm is not None:
+            parts["q_norm"], parts["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
+        if self.attn_out_norm is not None:
+            parts["attn_out_norm"] = self.attn_out_norm.weight
+            parts["mlp_out_norm"] = self.mlp_out_norm.weight
+        if self.mlp.gelu:
+            parts["gelu"] = True
+        parts.update(attn.options())
+        if attn.local_rope:
+            parts["local_rope"] = True
+        return parts
 
 
 class LlamaForCausalLM(DirectModule):
@@ -112,22 +143,27 @@ class LlamaForCausalLM(DirectModule):
         # (tpllm_kernels/__init__).
         self.ops = ops = ops if ops is not None else select_ops(torch.get_default_device())
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, ops)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, ops, i)
+                                    for i in range(cfg.num_layers))
+        # Gemma scales its embeddings by sqrt(hidden), the factor rounded to the dtype first
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
+                            if cfg.family.embed_scale else None)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # decode-only steps may run each layer as two fused kernel calls (DecoderLayer.forward_decode)
-        self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False))
+        self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False)) and (
+            getattr(ops, "FUSED_FAMILY_PARTS", False)
+            or not any(layer.family_parts() for layer in self.layers))
         # ...and with one rank, all layers as one call (ops.decode_stack); bound lazily, per KV cache
         self.fused_stack = self.fused_decode and ctx.world_size == 1
         self._bound: tuple[int, list] | None = None
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, ctx, tied=tied,
-                                      ops=ops)
+                                      ops=ops, softcap=cfg.final_softcap)
         # LoRA adapters (lora_layers.attach_adapters): the step's adapter rows, read by the slots
         self.lora_rows = None
-        # steps with adapter rows that ran on the fused decode kernels (tests check LoRA decode
-        # steps do not fall back to the modular path)
-        self.fused_lora_steps = 0
+        # steps that ran on the fused decode kernels, and those with adapter rows (tests check
+        # that a family's and LoRA's decode steps do not fall back to the modular path)
+        self.fused_steps = self.fused_lora_steps = 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -154,6 +190,8 @@ class LlamaForCausalLM(DirectModule):
         elif lora:
             raise ValueError("this model has no LoRA adapters attached")
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         if (begin := getattr(self.ops, "begin_forward", None)) is not None:
             begin(x.shape[0], x.dtype)  # where this pass's kernel loops run (CPU)
         residual = None
@@ -164,6 +202,7 @@ class LlamaForCausalLM(DirectModule):
         elif layer_limit is not None:
             raise ValueError("layer_limit is for steps with prompt chunks, not fused decode steps")
         else:
+            self.fused_steps += 1
             self.fused_lora_steps += ids is not None
             x, residual = self._fused_layers(x, meta, kv_caches, ids)
         if logits_indices is None or logits_indices.numel() == 0:
@@ -189,7 +228,8 @@ class LlamaForCausalLM(DirectModule):
         if self.fused_stack:
             residual, x = x, self.layers[0].input_layernorm(x)
             return self.ops.decode_stack(bound, x, residual, False, meta.cos, meta.sin,
-                                         meta.slot_mapping, meta.decode, lora_ids)
+                                         meta.slot_mapping, meta.decode, lora_ids,
+                                         meta.local_cos, meta.local_sin)
         if (stacked := self._tp_decode_stack(x, meta, bound, lora_ids)) is not None:
             return stacked
         residual = None
@@ -213,13 +253,16 @@ class LlamaForCausalLM(DirectModule):
         while start < 2 * len(bound):
             x, residual, ran, arrived, seconds = stack(
                 bound, x, residual, add, meta.cos, meta.sin, meta.slot_mapping, meta.decode,
-                start, coll, lora_ids)
+                start, coll, lora_ids, meta.local_cos, meta.local_sin)
             x = ctx.stack_done(x, ran, arrived, seconds)
             start, add = start + ran, True
-            if not arrived:  # the late half's bias, after its sum (as RowParallelLinear.finish)
+            if not arrived:  # the late half's bias and out norm, after its sum (as the halves)
                 layer = self.layers[(start - 1) // 2]
-                bias = (layer.self_attn.o_proj if start % 2 else layer.mlp.down_proj).bias
+                attention = start % 2 == 1
+                bias = (layer.self_attn.o_proj if attention else layer.mlp.down_proj).bias
                 x = x if bias is None else x + bias
+                norm = layer.attn_out_norm if attention else layer.mlp_out_norm
+                x = x if norm is None else norm(x)
                 coll = ctx.fused_stack(x.numel(), x.dtype)
         return x, residual
 
@@ -274,14 +317,3 @@ class LlamaForCausalLM(DirectModule):
         # bf16 GEMV takes; through Python, the calls were over a quarter of a bf16 step
         return (x.dtype == torch.bfloat16 and self.layers[0].mlp.down_proj.ctx.world_size == 1
                 and x.shape[0] <= getattr(self.ops, "FUSED_DECODE_BF16_ROWS", 0))
-
-
-def map_checkpoint_name(name: str, tied_embeddings: bool) -> tuple[str, str | None] | None:
-    """Our parameter name (and shard id within it) for a checkpoint tensor; None to skip it."""
-    name = name.removeprefix("model.")
-    if "rotary_emb" in name or (name.startswith("lm_head.") and tied_embeddings):
-        return None
-    for src, (dst, shard) in _MERGED.items():
-        if f".{src}." in f".{name}":
-            return name.replace(src, dst), shard
-    return name, None

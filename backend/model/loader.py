@@ -11,7 +11,10 @@ from safetensors import safe_open
 from backend.model import host_memory
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
-from backend.model.llama import LlamaForCausalLM, map_checkpoint_name
+from backend.model.checkpoint_names import checkpoint_targets
+from backend.model.layers import RMSNorm
+from backend.model.llama import LlamaForCausalLM
+from backend.model.rotary import head_permutation
 from backend.parallel.context import ParallelContext
 
 log = logging.getLogger("backend.model")
@@ -54,15 +57,13 @@ def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext, dtype: t
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    target = map_checkpoint_name(key, cfg.tie_word_embeddings)
-                    if target is None:
-                        continue
-                    pname, sid = target
-                    if pname not in params or sid not in params[pname].shards:
-                        raise ModelLoadError(f"{path}: unexpected tensor {key!r} for a "
-                                             f"{cfg.model_type} model")
-                    _load_slice(params[pname], sid, f.get_slice(key), path, key)
-                    loaded.add((pname, sid))
+                    for t in checkpoint_targets(key, cfg):
+                        if t.param not in params or t.shard not in params[t.param].shards:
+                            raise ModelLoadError(f"{path}: unexpected tensor {key!r} for a "
+                                                 f"{cfg.model_type} model")
+                        _load_slice(params[t.param], t.shard, f.get_slice(key), path, key,
+                                    t.source_offset)
+                        loaded.add((t.param, t.shard))
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -72,11 +73,38 @@ def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext, dtype: t
         names = ", ".join(sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5])
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {names}")
     log.info("loaded %s (%d tensors) rank %d/%d", model_dir, len(loaded), ctx.rank, ctx.world_size)
+    to_kernel_layout(model, cfg)
     return model.eval()
 
 
-def _load_slice(param: torch.nn.Parameter, sid: str | None, sl, path: Path, key: str) -> None:
+@torch.no_grad()
+def to_kernel_layout(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
+    """What the family's checkpoint stores, in the form our kernels compute with: Gemma's norm
+    weights w as (1 + w) (its RMSNorm multiplies by that, in float32), and with partial rotary
+    each q and k head's rows in rotary.head_permutation's order."""
+    offset = cfg.family.norm_offset
+    if offset:
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(m.weight.float() + offset)
+    perm = head_permutation(cfg)
+    if perm is None:
+        return
+    for layer in model.layers:
+        attn = layer.self_attn
+        d, qk = cfg.head_dim, (attn.num_q + attn.num_kv) * cfg.head_dim
+        for p in (attn.qkv_proj.weight, attn.qkv_proj.bias):
+            if p is not None:
+                heads = p[:qk].view(attn.num_q + attn.num_kv, d, *p.shape[1:])
+                heads.copy_(heads.index_select(1, perm.to(p.device)))
+
+
+def _load_slice(param: torch.nn.Parameter, sid: str | None, sl, path: Path, key: str,
+                source_offset: int = 0) -> None:
+    """This rank's rows [start, end) of the shard, which starts `source_offset` rows into the
+    checkpoint tensor (a fused one's later shards)."""
     dim, start, end, offset = param.shards[sid]
+    start, end = start + source_offset, end + source_offset
     full = sl.get_shape()
     expect = list(param.shape)
     expect[dim] = full[dim] if dim < len(full) else -1

@@ -3,7 +3,8 @@ against the model it is meant for. Every error is a LoraAdapterError whose messa
 adapter, so an operator can tell which of several adapters is wrong.
 
 What is served: LoRA on the decoder layers' q/k/v/o and gate/up/down projections, scaled by
-lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora). PEFT features that change the math
+lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora); Phi-3's fused qkv_proj and
+gate_up_proj adapters are split into those at load (their A is shared, B splits by rows). PEFT features that change the math
 beyond that (DoRA, LoRA biases, per-module rank or alpha patterns, fan_in_fan_out, trained
 copies of other modules) are refused at load rather than served wrong.
 """
@@ -20,14 +21,18 @@ from safetensors import safe_open
 
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
+from backend.model.rotary import head_permutation
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's module name -> where it sits in a decoder layer
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
-                  r"(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight")
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# a fused checkpoint's modules (Phi-3) -> the modules their B's rows split into, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?"
+                  r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 
 
 class LoraAdapterError(ModelLoadError):
@@ -98,20 +103,36 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig,
         if layer >= cfg.num_layers:
             raise fail(f"{where}: the model has {cfg.num_layers} layers (an adapter for another "
                        f"model?)")
-        d_in, d_out = module_shape(cfg, module)
+        parts = FUSED.get(module, (module,))
+        d_in = module_shape(cfg, parts[0])[0]
+        d_out = sum(module_shape(cfg, p)[1] for p in parts)
         for label, got, want in (("lora_A", t, [rank, d_in]), ("lora_B", b, [d_out, rank])):
             if list(got.shape) != want:
                 raise fail(f"{where}.{label} has shape {list(got.shape)}, this "
                            f"{cfg.model_type} model needs {want} (r={rank}; an adapter for "
                            f"another model?)")
-        weights[(layer, module)] = (t.contiguous(), b.contiguous())
-    unpaired = {(l, m) for l, m, h in halves if h == "B"} - set(weights)
+        for part, rows in zip(parts, b.split([module_shape(cfg, p)[1] for p in parts])):
+            if (layer, part) in weights:
+                raise fail(f"layers.{layer}: {part} given twice (fused and apart)")
+            weights[(layer, part)] = (t.contiguous(), _kernel_rows(cfg, part, rows))
+    unpaired = {(l, m) for l, m, h in halves if h == "B"} - {(l, m) for l, m, h in halves
+                                                               if h == "A"}
     if unpaired:
         layer, module = min(unpaired)
         raise fail(f"layers.{layer}.{module}: lora_B without lora_A")
     if not weights:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     return LoraAdapter(name, path, rank, scale, weights)
+
+
+def _kernel_rows(cfg: ModelConfig, module: str, b: torch.Tensor) -> torch.Tensor:
+    """B's output rows in the order the model's weight rows are in: with partial rotary, each
+    q and k head's as rotary.head_permutation put the weights' (loader.to_kernel_layout)."""
+    perm = head_permutation(cfg)
+    if perm is None or module not in ("q_proj", "k_proj"):
+        return b.contiguous()
+    d = cfg.head_dim
+    return b.view(-1, d, b.shape[1]).index_select(1, perm).reshape(b.shape).contiguous()
 
 
 def _read_config(path: Path, fail) -> dict:

@@ -8,13 +8,57 @@
 // Here 16 tokens' partial dot products are transposed and summed together (a few shuffles and
 // adds instead of 16 reductions), and max, exp and sum run on whole vectors.
 #pragma once
+#include <algorithm>
+#include <cstdint>
+
 #include "vec.h"
 
+namespace attn {
+
+// A decode task's options beyond its block range: a sliding window's first token (for every
+// head, or per head where one task carries several rows of a sequence), per-head lengths (those
+// rows' own), and the logit soft-cap (0: none).
+struct KeyLimits {
+  int64_t start = 0;                    // the first token every head sees
+  const int64_t* head_start = nullptr;  // per head, overriding start
+  const int64_t* head_len = nullptr;    // per head: tokens [0, head_len[h]) at most
+  float softcap = 0.f;
+};
+
+// The first key a query at absolute position pos sees under a sliding window of `window` keys
+// (itself included; 0: no window): transformers' kv_idx > q_idx - sliding_window.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+}
+
+// tanh as a rational function, odd, clamped where it reaches +-1 in float32 (Eigen's float
+// tanh, a few ulp): vectorizable, where std::tanh is a libm call per score. Plain multiply-adds:
+// the portable path's form of simd::tanh_rational (the same values up to the FMAs' rounding).
+inline float tanh_rational(float x) {
+  x = std::clamp(x, -7.90531110763549805f, 7.90531110763549805f);
+  const float x2 = x * x;
+  float p = -2.76076847742355e-16f;
+  for (const float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                        1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = p * x2 + c;
+  float q = 1.19825839466702e-06f;
+  for (const float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
+    q = q * x2 + c;
+  return x * p / q;
+}
+
+// Gemma 2's attention logit soft-cap on scores s[0, n), in place: s = cap * tanh(s / cap)
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * tanh_rational(s[j] * inv);
+}
+
+}  // namespace attn
+
 #if defined(TPLLM_SIMD16)
-#include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdint>
 #include <vector>
 
 namespace simd {
@@ -60,22 +104,67 @@ struct SoftmaxRow {
   float max, sum;
 };
 
-// Scores s[0, limit) -> exp(s - max) in place, zeros on [limit, n) (n a multiple of 16): the
-// unnormalised probabilities of one row, with its max and sum (decode keeps both to merge
-// splits; prefill divides by the sum).
-inline SoftmaxRow softmax_row(float* s, int64_t limit, int64_t n) {
+// lanes [m, 16) of a, `fill` in lanes [0, m) (m may be outside [0, 16])
+inline F16 from_lane(F16 a, int64_t m, float fill) {
+  alignas(64) static const float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float mf = static_cast<float>(std::clamp<int64_t>(m, 0, 16));
+  return where_nonnegative(load(kIota) - set1(mf), a, set1(fill));
+}
+
+// Scores s[start, limit) -> exp(s - max) in place, zeros on [0, start) and [limit, n) (n a
+// multiple of 16): the unnormalised probabilities of one row, with its max and sum (decode
+// keeps both to merge splits; prefill divides by the sum). start > 0: a sliding window's
+// first key. The chunks before it have loops of their own (the same order of sums), so the
+// others run exactly the unwindowed loops.
+inline SoftmaxRow softmax_row(float* s, int64_t limit, int64_t n, int64_t start = 0) {
   auto left = [limit](int64_t k) { return static_cast<int>(std::clamp<int64_t>(limit - k, 0, 16)); };
+  const int64_t head = std::clamp<int64_t>((start + 15) / 16 * 16, 0, n);  // chunks before start
   F16 m = set1(-INFINITY);
-  for (int64_t k = 0; k < n; k += 16) m = max(m, first(load(s + k), left(k), -INFINITY));
+  for (int64_t k = 0; k < head; k += 16)
+    m = max(m, from_lane(first(load(s + k), left(k), -INFINITY), start - k, -INFINITY));
+  for (int64_t k = head; k < n; k += 16) m = max(m, first(load(s + k), left(k), -INFINITY));
   const float mx = reduce_max(m);
   const F16 mv = set1(mx);
   F16 sum = set1(0.f);
-  for (int64_t k = 0; k < n; k += 16) {
+  for (int64_t k = 0; k < head; k += 16) {
+    const F16 p = from_lane(first(exp_nonpositive(load(s + k) - mv), left(k), 0.f), start - k, 0.f);
+    store(s + k, p);
+    sum = sum + p;
+  }
+  for (int64_t k = head; k < n; k += 16) {
     const F16 p = first(exp_nonpositive(load(s + k) - mv), left(k), 0.f);
     store(s + k, p);
     sum = sum + p;
   }
   return {mx, reduce_add(sum)};
+}
+
+// attn::tanh_rational on 16 lanes, with FMAs: the same operations on every ISA variant (the
+// clamp's upper side a blend, F16 having no min)
+inline F16 tanh_rational(F16 x) {
+  const float c = 7.90531110763549805f;
+  x = max(x, set1(-c));
+  x = where_nonnegative(x - set1(c), set1(c), x);
+  const F16 x2 = x * x;
+  F16 p = set1(-2.76076847742355e-16f);
+  for (const float a : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                        1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = fma(p, x2, set1(a));
+  F16 q = set1(1.19825839466702e-06f);
+  for (const float b : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
+    q = fma(q, x2, set1(b));
+  return x * p / q;
+}
+
+// The soft-capped scores cap * tanh(s / cap) (inv = 1 / cap)
+inline F16 softcap(F16 s, float cap, float inv) {
+  return set1(cap) * tanh_rational(s * set1(inv));
+}
+
+// softcap on a row s[0, n), n a multiple of 16, in place
+inline void softcap_row(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t k = 0; k < n; k += 16) store(s + k, softcap(load(s + k), cap, inv));
 }
 
 // The scaled scores of query q (64 floats) against 16 key rows (kb, `row` elements apart, float
@@ -113,17 +202,20 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 // accumulators; with 64 sequences x 320 tokens the attention streamed KV well below a plain
 // read of the same bytes. One softmax per head per task
 // leaves the FMAs. scores: scratch, resized here to Hq x (tokens rounded up to 16).
-// head_len (nullable): head h sees only the first head_len[h] <= L tokens. The rows of one
+// lim.head_len (nullable): head h sees only the first head_len[h] <= L tokens. The rows of one
 // sequence verifying drafts come as one task this way, each row's heads as heads of their own
 // with the row's length: every K/V block is read once for all rows, and a row's result is
 // bit-identical to its own task's (the tokens past its length get probability exactly 0).
+// lim.start / head_start: a sliding window's first token, at most one block into the task's
+// range (the caller starts the range at the window's block): the tokens before it get
+// probability exactly 0, as those past a row's length do. lim.softcap > 0: scores soft-capped.
 template <typename T>
 inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const int64_t* table,
                               int64_t L, int64_t blk_begin, int64_t blk_end, int64_t BS,
                               int64_t Hkv, int64_t Hq, int64_t block_stride,
                               const int64_t* heads_by_kv, const int64_t* group_start,
                               float scale, float* acc, float* mx, float* den,
-                              std::vector<float>& scores, const int64_t* head_len = nullptr) {
+                              std::vector<float>& scores, const attn::KeyLimits& lim) {
   const int64_t row = Hkv * 64, t0 = blk_begin * BS;
   const int64_t T_ = std::max<int64_t>(0, std::min(L, blk_end * BS) - t0);
   const int64_t Tp = (T_ + 15) / 16 * 16;
@@ -146,6 +238,7 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
   const int64_t k_share = (block_lines + k_tiles - 1) / k_tiles;
   const int64_t v_share = (block_lines + v_tiles * BS - 1) / std::max<int64_t>(1, v_tiles * BS);
   const bool touch = g_attention_touch_pass.load(std::memory_order_relaxed);
+  const float cap = lim.softcap, inv_cap = cap > 0.f ? 1.f / cap : 0.f;
   SpreadPrefetch pf;
   for (int64_t b = 0; b < std::min(kAhead, nblk); ++b) {
     pf.start(kp + table[blk_begin + b] * block_stride, block_lines);
@@ -169,16 +262,18 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
         for (int64_t g = group_start[kh]; g < group_start[kh + 1]; ++g) {
           const int64_t h = heads_by_kv[g];
           pf.step(k_share);
-          store_first(sc + h * Tp + base + j0, scores16(qf + h * 64, kb + j0 * row, row, nc, scale),
-                      nc);
+          F16 sv = scores16(qf + h * 64, kb + j0 * row, row, nc, scale);
+          if (cap > 0.f) sv = softcap(sv, cap, inv_cap);
+          store_first(sc + h * Tp + base + j0, sv, nc);
         }
       }
     }
   }
   // one softmax per head over the task's T scores (unnormalised probabilities in place)
   for (int64_t h = 0; h < Hq; ++h) {
-    const int64_t limit = head_len ? std::clamp<int64_t>(head_len[h] - t0, 0, T_) : T_;
-    const SoftmaxRow r = softmax_row(sc + h * Tp, limit, Tp);
+    const int64_t limit = lim.head_len ? std::clamp<int64_t>(lim.head_len[h] - t0, 0, T_) : T_;
+    const int64_t first = (lim.head_start ? lim.head_start[h] : lim.start) - t0;
+    const SoftmaxRow r = softmax_row(sc + h * Tp, limit, Tp, first);
     mx[h] = r.max, den[h] = r.sum;
   }
   // pass 2: acc += p * V, up to GMAX = 4 heads of a KV head at a time in registers (AVX2: one,

@@ -35,14 +35,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_layer(m);
   bind_thread_team(m);
   m.def("rotary_write_kv_", &rotary_write_kv_);
-  m.def("paged_decode_attention", &paged_decode_attention);
+  // window (keys per query, 0: all) and softcap (0: none) as keywords, defaults off
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("kv_index"), py::arg("num_splits"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("set_attention_touch_pass", &set_attention_touch_pass);
   m.def("attention_touch_pass", &attention_touch_pass);
-  m.def("paged_prefill_attention", &paged_prefill_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("scale"),
+        py::arg("kv_index"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("prefill_attention_supported", &prefill_attention_supported);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
+  m.def("qk_norm_", &qk_norm_);
   m.def("shm_all_reduce", &shm_all_reduce);
   m.def("shm_sum", &shm_sum);
   m.def("shm_gather_first", &shm_gather_first);

@@ -10,9 +10,12 @@
 
 #include <vector>
 
+// window: a sliding window of that many keys (0: none); softcap: Gemma 2's attention logit
+// soft-cap (0: none), in every attention kernel here
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale, at::Tensor kv_index, int64_t num_splits);
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  double scale, at::Tensor kv_index, int64_t num_splits,
+                                  int64_t window = 0, double softcap = 0.0);
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void rotary_write_kv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t Hq,
@@ -39,11 +42,15 @@ void small_m_linear_q8_into(const at::Tensor& x, const at::Tensor& q,
 void lora_delta_into(const at::Tensor& x, at::Tensor& y, const at::Tensor& a,
                      const at::Tensor& bt, const at::Tensor& info, const at::Tensor& ids);
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
+void gelu_tanh_mul_into(const at::Tensor& gate_up, at::Tensor& out);
+// per-head RMSNorm of the q and k heads of a fused qkv projection, in place (elementwise.cpp)
+void qk_norm_(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t Hq,
+              int64_t Hkv, double eps);
 void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                  const at::Tensor& context_lens, double scale,
                                  const at::Tensor& kv_index, int64_t num_splits,
-                                 at::Tensor& out);
+                                 at::Tensor& out, int64_t window = 0, double softcap = 0.0);
 bool bf16_gemv_supported();
 // whether head_dim-64 decode attention touches each K/V block in address order first
 // (attn_simd.h says why it is a switch; decode_attention.cpp)
@@ -91,5 +98,6 @@ inline void group_heads_by_kv(const int64_t* kv_index, int64_t Hq, int64_t Hkv,
 
 bool prefill_attention_supported(int64_t head_dim);
 at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
-                                      at::Tensor v_cache, at::Tensor block_table,
-                                      int64_t context_len, double scale, at::Tensor kv_index);
+                                   at::Tensor v_cache, at::Tensor block_table,
+                                   int64_t context_len, double scale, at::Tensor kv_index,
+                                   int64_t window = 0, double softcap = 0.0);

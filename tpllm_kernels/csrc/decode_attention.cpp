@@ -1,7 +1,9 @@
 // Paged decode attention on the CPU: each sequence's query heads against its KV blocks, read in
 // place from the paged cache (no gather), flash-decoding splits merged in a fixed order; head_dim
 // 64 through attn_simd.h's vector kernel. Storage float32 or bfloat16, arithmetic float32; the
-// torch reference is tpllm_kernels/reference.py's decode_attention.
+// torch reference is tpllm_kernels/reference.py's decode_attention. Options: a sliding window
+// (the query at position L - 1 sees keys [L - window, L); blocks wholly before it are not read)
+// and Gemma 2's logit soft-cap.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -53,7 +55,7 @@ inline float softmax_update(float* s, int64_t n, float& mx, float& den) {
 template <int D, int GMAX>
 void block_group_fast(const float* qf, const float* kblk, const float* vblk, int64_t n,
                       int64_t row, int64_t kh, const int64_t* heads, int64_t G, float scale,
-                      float* acc, float* mx, float* den, float* sc, int64_t BS) {
+                      float cap, float* acc, float* mx, float* den, float* sc, int64_t BS) {
   constexpr int C = D / 16;
   for (int64_t j = 0; j < n; ++j) {
     v16f k[C];
@@ -70,6 +72,7 @@ void block_group_fast(const float* qf, const float* kblk, const float* vblk, int
   for (int g = 0; g < GMAX; ++g) {
     if (g >= G) break;
     const int64_t h = heads[g];
+    if (cap > 0.f) attn::softcap_scores(sc + h * BS, n, cap);
     const float corr = softmax_update(sc + h * BS, n, mx[h], den[h]);
     for (int c = 0; c < C; ++c) a[g][c] = load16(acc + h * D + 16 * c) * corr;
   }
@@ -91,12 +94,13 @@ void block_group_fast(const float* qf, const float* kblk, const float* vblk, int
 // Any head_dim: one query head at a time, row by row.
 inline void block_group_generic(const float* qf, const float* kblk, const float* vblk, int64_t n,
                                 int64_t row, int64_t D, int64_t kh, const int64_t* heads,
-                                int64_t G, float scale, float* acc, float* mx, float* den,
-                                float* sc, int64_t BS) {
+                                int64_t G, float scale, float cap, float* acc, float* mx,
+                                float* den, float* sc, int64_t BS) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = heads[g];
     float* s = sc + h * BS;
     for (int64_t j = 0; j < n; ++j) s[j] = dot(qf + h * D, kblk + j * row + kh * D, D) * scale;
+    if (cap > 0.f) attn::softcap_scores(s, n, cap);
     const float corr = softmax_update(s, n, mx[h], den[h]);
     float* a = acc + h * D;
     if (corr != 1.f) {
@@ -112,24 +116,26 @@ inline void block_group_generic(const float* qf, const float* kblk, const float*
 // den [Hq]. A block is [BS, Hkv, D] contiguous and is read once, in order; the block two ahead
 // (blocks are scattered: the hardware prefetcher stops at them) is prefetched meanwhile.
 // heads_by_kv lists the query heads grouped by the KV head they read, group kh at
-// [group_start[kh], group_start[kh + 1]).
+// [group_start[kh], group_start[kh + 1]). lim: the window's first token (the range starts at
+// its block; here the tokens before it in that block are skipped), soft-cap, per-head limits.
 template <typename T>
 void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* table, int64_t L,
                    int64_t blk_begin, int64_t blk_end, int64_t BS, int64_t Hkv, int64_t Hq,
                    int64_t D, int64_t block_stride, const int64_t* heads_by_kv,
                    const int64_t* group_start, float scale, float* acc, float* mx, float* den,
                    std::vector<float>& sc, std::vector<float>& kb, std::vector<float>& vb,
-                   const int64_t* head_len = nullptr) {
+                   const attn::KeyLimits& lim) {
 #if defined(TPLLM_SIMD16)
   if (D == 64) {  // float32, or bf16 rows widened as they are loaded
     using S = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
     simd::attend_blocks_d64(qf, reinterpret_cast<const S*>(kp), reinterpret_cast<const S*>(vp),
                             table, L, blk_begin, blk_end, BS, Hkv, Hq, block_stride, heads_by_kv,
-                            group_start, scale, acc, mx, den, sc, head_len);
+                            group_start, scale, acc, mx, den, sc, lim);
     return;
   }
 #endif
-  TORCH_CHECK(head_len == nullptr, "attend_blocks: per-head lengths need the head_dim 64 path");
+  TORCH_CHECK(lim.head_len == nullptr && lim.head_start == nullptr,
+              "attend_blocks: per-head limits need the head_dim 64 path");
   const int64_t row = Hkv * D;
   std::fill(acc, acc + Hq * D, 0.f);
   std::fill(mx, mx + Hq, -INFINITY);
@@ -137,9 +143,13 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
   sc.resize(Hq * BS);
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t blk_i = blk_begin; blk_i < blk_end; ++blk_i) {
-    const int64_t n = std::min(BS, L - blk_i * BS);
-    const T* kbase = kp + table[blk_i] * block_stride;
-    const T* vbase = vp + table[blk_i] * block_stride;
+    // the window's first block from its first token on: a block's rows are contiguous, so a
+    // suffix of it is a block of n rows of its own
+    const int64_t skip = std::clamp<int64_t>(lim.start - blk_i * BS, 0, BS);
+    const int64_t n = std::min(BS, L - blk_i * BS) - skip;
+    if (n <= 0) continue;
+    const T* kbase = kp + table[blk_i] * block_stride + skip * row;
+    const T* vbase = vp + table[blk_i] * block_stride + skip * row;
     if (blk_i + 2 < blk_end) {
       const T* knext = kp + table[blk_i + 2] * block_stride;
       const T* vnext = vp + table[blk_i + 2] * block_stride;
@@ -167,16 +177,16 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
         int64_t G;
         if (D == 64) {
           G = std::min<int64_t>(left, 4);
-          block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
-                                  sc.data(), BS);
+          block_group_fast<64, 4>(qf, kblk, vblk, n, row, kh, heads, G, scale, lim.softcap,
+                                  acc, mx, den, sc.data(), BS);
         } else if (D == 128) {
           G = std::min<int64_t>(left, 2);
-          block_group_fast<128, 2>(qf, kblk, vblk, n, row, kh, heads, G, scale, acc, mx, den,
-                                   sc.data(), BS);
+          block_group_fast<128, 2>(qf, kblk, vblk, n, row, kh, heads, G, scale, lim.softcap,
+                                   acc, mx, den, sc.data(), BS);
         } else {
           G = left;
-          block_group_generic(qf, kblk, vblk, n, row, D, kh, heads, G, scale, acc, mx, den,
-                              sc.data(), BS);
+          block_group_generic(qf, kblk, vblk, n, row, D, kh, heads, G, scale, lim.softcap,
+                              acc, mx, den, sc.data(), BS);
         }
         g += G;
       }
@@ -188,7 +198,7 @@ template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& tables,
                            const at::Tensor& lens, double scale, const at::Tensor& kvi,
-                           int64_t num_splits, at::Tensor& out) {
+                           int64_t num_splits, int64_t window, float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), q_rows = q.stride(0);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t MB = tables.size(1);
@@ -200,19 +210,29 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* ip = kvi.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t block_stride = k_cache.stride(0);
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < B; ++b) max_blocks = std::max(max_blocks, (lp[b] + BS - 1) / BS);
-  // explicit num_splits: each context in that many even parts (tests); else fixed-size parts
+  // explicit num_splits: each context (its window's blocks) in that many even parts (tests);
+  // else fixed-size parts, at multiples of `fixed` blocks from the sequence's first block (not
+  // from its window's: a row's splits then stay where they are as its window moves on), only
+  // those that reach into the window
   const int64_t fixed = std::max<int64_t>(1, kTokensPerSplit / BS);
-  const int64_t S = num_splits > 0 ? num_splits : std::max<int64_t>(1, (max_blocks + fixed - 1) / fixed);
+  // the block of sequence b's window start: the blocks before it are never read
+  auto window_block = [&](int64_t b) { return attn::window_start(lp[b] - 1, window) / BS; };
+  int64_t max_splits = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nblk = (lp[b] + BS - 1) / BS;
+    max_splits = std::max(max_splits, (nblk + fixed - 1) / fixed - window_block(b) / fixed);
+  }
+  const int64_t S = num_splits > 0 ? num_splits : max_splits;
   std::vector<int64_t> heads_by_kv, group_start;
   group_heads_by_kv(ip, Hq, Hkv, heads_by_kv, group_start);
   // Runs: consecutive rows of one sequence (a decode verifying drafts: 1 + drafts rows, the same
   // block table, lengths one apart) attend in one task per split, each row's heads as heads of
   // their own (attend_blocks_d64's head_len), so a KV block is read once for all of them, not
   // once per row: faster for long contexts, no change once a layer's K/V fits L2
-  // (docs/decisions.md, "Speculation verify rows share KV reads"). Only with fixed splits (a row's splits then do not depend on its run) and the
-  // head_dim 64 kernel; a row's result is the same bits as alone.
+  // (docs/decisions.md, "Speculation verify rows share KV reads"). Only with fixed splits (a
+  // row's splits then do not depend on its run) and the head_dim 64 kernel, and with a window
+  // only rows whose windows start in the same block (each then reads the blocks it reads alone):
+  // a row's result is the same bits as alone.
   bool runs_ok = num_splits <= 0 && D == 64;
 #if !defined(TPLLM_SIMD16)
   runs_ok = false;
@@ -221,6 +241,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   for (int64_t b = 1; b < B; ++b) {
     const int64_t r0 = run_start.back();
     const bool joins = runs_ok && b - r0 < kMaxRunRows && lp[b] == lp[b - 1] + 1 &&
+                       window_block(b) == window_block(r0) &&
                        std::equal(tp + b * MB, tp + b * MB + (lp[b] + BS - 1) / BS, tp + r0 * MB);
     if (!joins) run_start.push_back(b);
   }
@@ -245,30 +266,45 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   std::vector<float> parts(B * S * part);
   team::parallel_for(0, num_runs * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, sc, kb, vb, state;
-    std::vector<int64_t> head_len;
+    std::vector<int64_t> head_len, head_start;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / S, s = task % S, b0 = run_start[run];
       const int64_t R = run_start[run + 1] - b0, L = lp[b0 + R - 1];
-      const int64_t nblk = (L + BS - 1) / BS, per = num_splits > 0 ? (nblk + S - 1) / S : fixed;
+      const int64_t nblk = (L + BS - 1) / BS, wblk = window_block(b0);
+      int64_t lo, hi;  // this split's blocks, [lo, hi) within [wblk, nblk)
+      if (num_splits > 0) {
+        const int64_t per = (nblk - wblk + S - 1) / S;
+        lo = std::min(nblk, wblk + s * per), hi = std::min(nblk, wblk + (s + 1) * per);
+      } else {
+        const int64_t split = wblk / fixed + s;
+        lo = std::min(nblk, std::max(wblk, split * fixed));
+        hi = std::min(nblk, (split + 1) * fixed);
+      }
       qf.resize(R * Hq * D);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < Hq * D; ++i) qf[r * Hq * D + i] = to_f(qp[(b0 + r) * q_rows + i]);
-      const int64_t lo = std::min(nblk, s * per), hi = std::min(nblk, (s + 1) * per);
+      attn::KeyLimits lim;
+      lim.softcap = softcap;
       if (R == 1) {
+        lim.start = attn::window_start(L - 1, window);
         float* acc = parts.data() + (b0 * S + s) * part;
         attend_blocks<T>(qf.data(), kp, vp, tp + b0 * MB, L, lo, hi, BS, Hkv, Hq, D,
                          block_stride, heads_by_kv.data(), group_start.data(), (float)scale, acc,
-                         acc + Hq * D, acc + Hq * D + Hq, sc, kb, vb);
+                         acc + Hq * D, acc + Hq * D + Hq, sc, kb, vb, lim);
         continue;
       }
       const int64_t H = R * Hq;
-      head_len.resize(H);
-      for (int64_t r = 0; r < R; ++r) std::fill_n(head_len.data() + r * Hq, Hq, lp[b0 + r]);
+      head_len.resize(H), head_start.resize(H);
+      for (int64_t r = 0; r < R; ++r) {
+        std::fill_n(head_len.data() + r * Hq, Hq, lp[b0 + r]);
+        std::fill_n(head_start.data() + r * Hq, Hq, attn::window_start(lp[b0 + r] - 1, window));
+      }
+      lim.head_len = head_len.data(), lim.head_start = head_start.data();
       state.resize(H * (D + 2));
       float *acc = state.data(), *mx = acc + H * D, *den = mx + H;
       attend_blocks<T>(qf.data(), kp, vp, tp + b0 * MB, L, lo, hi, BS, Hkv, H, D, block_stride,
                        run_heads[R].data(), run_groups[R].data(), (float)scale, acc, mx, den, sc,
-                       kb, vb, head_len.data());
+                       kb, vb, lim);
       for (int64_t r = 0; r < R; ++r) {  // into each row's (row, split) slot
         float* p = parts.data() + ((b0 + r) * S + s) * part;
         std::copy_n(acc + r * Hq * D, Hq * D, p);
@@ -325,14 +361,16 @@ bool attention_touch_pass() {
 }
 
 // q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, MB]; context_lens [B];
-// kv_index [Hq] (local KV head of each query head); num_splits per context (0 = by batch size
-// and threads) -> out [B, Hq, D].
+// kv_index [Hq] (local KV head of each query head); num_splits per context (0 = fixed-size
+// splits); window: keys [L - window, L) of a context of L (0 = all); softcap: logits
+// softcap * tanh(logit / softcap) (0 = none) -> out [B, Hq, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale, at::Tensor kv_index, int64_t num_splits) {
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  double scale, at::Tensor kv_index, int64_t num_splits,
+                                  int64_t window, double softcap) {
   auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   paged_decode_attention_into(q, k_cache, v_cache, block_tables, context_lens, scale, kv_index,
-                              num_splits, out);
+                              num_splits, out, window, softcap);
   return out;
 }
 
@@ -342,8 +380,10 @@ void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                                  const at::Tensor& context_lens, double scale,
                                  const at::Tensor& kv_index, int64_t num_splits,
-                                 at::Tensor& out) {
+                                 at::Tensor& out, int64_t window, double softcap) {
   check_storage(q, "paged_decode_attention");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0,
+              "paged_decode_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention: contiguous caches only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -354,8 +394,11 @@ void paged_decode_attention_into(at::Tensor q, const at::Tensor& k_cache,
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto kvi = kv_index.contiguous();
+  const float cap = static_cast<float>(softcap);
   if (q.scalar_type() == at::kBFloat16)
-    decode_attention_impl<bf16>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
+    decode_attention_impl<bf16>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, window,
+                                cap, out);
   else
-    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits, out);
+    decode_attention_impl<float>(q, k_cache, v_cache, tables, lens, scale, kvi, num_splits,
+                                 window, cap, out);
 }

@@ -111,6 +111,25 @@ struct Workspace {
   }
 };
 
+// What a family adds to a Llama layer (backend/model/family.py), each part absent or off for
+// Llama's: per-head q/k RMSNorm before rotary (Qwen3, Gemma 3), norms of the attention's and the
+// MLP's outputs after their all-reduce (Gemma's sandwich), GeGLU instead of SwiGLU, a sliding
+// window and an attention logit cap, and the local rotary tables (Gemma 3's windowed layers).
+struct FamilyParts {
+  c10::optional<at::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  bool gelu = false, local_rope = false;
+  int64_t window = 0;
+  double softcap = 0.0;
+};
+
+// A step's rotary tables: the global pair and, where windowed layers have their own, the local
+struct Rope {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const c10::optional<at::Tensor>& local_cos;
+  const c10::optional<at::Tensor>& local_sin;
+};
+
 // A decoder layer's weights, caches and constants, bound once so a decode step passes only its
 // per-step tensors (pybind's conversion of ~18 arguments per call was itself a visible cost).
 struct DecodeLayer {
@@ -120,6 +139,7 @@ struct DecodeLayer {
   double eps1, eps2, scale;
   int64_t Hq, Hkv;
   c10::optional<Lora> qkv_l, o_l, gate_up_l, down_l;  // where an adapter targets the projection
+  FamilyParts family;
 
   Workspace workspace(const at::Tensor& x, bool attention = true, bool mlp = true) const {
     return Workspace(x, Hq, Hkv, k_cache.size(3), qkv_w.rows(), o_w.rows(), gate_up_w.rows(),
@@ -133,19 +153,24 @@ struct DecodeLayer {
 // each row's adapter, 0 none; absent: no row has one). Returns {partial o output, residual}.
 std::vector<at::Tensor> decode_attention_half(
     const DecodeLayer& l, at::Tensor x, at::Tensor residual, bool add_residual,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+    const Rope& rope, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens,
     const c10::optional<at::Tensor>& lora_ids, Workspace& ws) {
   using namespace part_timing;
+  const FamilyParts& f = l.family;
   if (enabled.load(std::memory_order_relaxed)) ++part_timing::layers;
   if (add_residual) timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm1, l.eps1); });
   timed(kQkv, [&] { project(x, l.qkv_w, l.qkv_b, l.qkv_l, lora_ids, ws.qkv); });
   timed(kRotaryKv, [&] {
-    rotary_write_kv_(ws.qkv, cos, sin, l.Hq, l.Hkv, l.k_cache, l.v_cache, slot_mapping);
+    if (f.q_norm.has_value()) qk_norm_(ws.qkv, *f.q_norm, *f.k_norm, l.Hq, l.Hkv, l.eps1);
+    const bool local = f.local_rope && rope.local_cos.has_value();
+    rotary_write_kv_(ws.qkv, local ? *rope.local_cos : rope.cos,
+                     local ? *rope.local_sin : rope.sin, l.Hq, l.Hkv, l.k_cache, l.v_cache,
+                     slot_mapping);
   });
   timed(kAttention, [&] {
     paged_decode_attention_into(ws.q, l.k_cache, l.v_cache, block_tables, context_lens,
-                                l.scale, l.kv_index, 0, ws.attn);
+                                l.scale, l.kv_index, 0, ws.attn, f.window, f.softcap);
   });
   timed(kO, [&] { project(ws.attn2d, l.o_w, c10::nullopt, l.o_l, lora_ids, ws.o); });
   return {ws.o, residual};
@@ -161,9 +186,24 @@ std::vector<at::Tensor> decode_mlp_half(const DecodeLayer& l, at::Tensor x,
   using namespace part_timing;
   timed(kNorm, [&] { add_rms_norm_(x, residual, l.norm2, l.eps2); });
   timed(kGateUp, [&] { project(x, l.gate_up_w, l.gate_up_b, l.gate_up_l, lora_ids, ws.gate_up); });
-  timed(kSilu, [&] { silu_mul_into(ws.gate_up, ws.h); });
+  timed(kSilu, [&] {
+    if (l.family.gelu)
+      gelu_tanh_mul_into(ws.gate_up, ws.h);
+    else
+      silu_mul_into(ws.gate_up, ws.h);
+  });
   timed(kDown, [&] { project(ws.h, l.down_w, c10::nullopt, l.down_l, lora_ids, ws.down); });
   return {ws.down, residual};
+}
+
+// After a half's all-reduce (or at one rank, its output): its bias, then its out norm
+// (Gemma's sandwich), in place in `out` where the norm allows it.
+void finish_half(const DecodeLayer& l, bool attention, at::Tensor& out) {
+  const auto& bias = attention ? l.o_b : l.down_b;
+  if (bias.has_value()) part_timing::timed(part_timing::kBias, [&] { out.add_(*bias); });
+  const auto& norm = attention ? l.family.attn_out_norm : l.family.mlp_out_norm;
+  if (norm.has_value())
+    part_timing::timed(part_timing::kNorm, [&] { out = rms_norm(out, *norm, l.eps1); });
 }
 
 }  // namespace
@@ -178,16 +218,18 @@ std::vector<at::Tensor> decode_stack(const std::vector<DecodeLayer>& layers, at:
                                      at::Tensor cos, at::Tensor sin,
                                      at::Tensor slot_mapping, at::Tensor block_tables,
                                      at::Tensor context_lens,
-                                     c10::optional<at::Tensor> lora_ids) {
+                                     c10::optional<at::Tensor> lora_ids,
+                                     c10::optional<at::Tensor> local_cos,
+                                     c10::optional<at::Tensor> local_sin) {
   if (layers.empty()) return {x, residual};
   Workspace ws = layers[0].workspace(x);
+  const Rope rope{cos, sin, local_cos, local_sin};
   for (const auto& l : layers) {
-    auto a = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
+    auto a = decode_attention_half(l, x, residual, add_residual, rope, slot_mapping,
                                    block_tables, context_lens, lora_ids, ws);
-    if (l.o_b.has_value()) part_timing::timed(part_timing::kBias, [&] { a[0].add_(*l.o_b); });
+    finish_half(l, true, a[0]);
     auto m = decode_mlp_half(l, a[0], a[1], lora_ids, ws);
-    if (l.down_b.has_value())
-      part_timing::timed(part_timing::kBias, [&] { m[0].add_(*l.down_b); });
+    finish_half(l, false, m[0]);
     x = m[0], residual = m[1], add_residual = true;
   }
   return {x, residual};
@@ -222,16 +264,18 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool, double> decode_stack_tp(
     bool add_residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
     at::Tensor block_tables, at::Tensor context_lens, int64_t start,
     const std::vector<at::Tensor>& buffers, at::Tensor flags, int64_t rank, int64_t seq0,
-    int64_t spins, c10::optional<at::Tensor> lora_ids) {
+    int64_t spins, c10::optional<at::Tensor> lora_ids, c10::optional<at::Tensor> local_cos,
+    c10::optional<at::Tensor> local_sin) {
   TORCH_CHECK(buffers.size() == 2, "decode_stack_tp: two collective buffers");
   const int64_t halves = 2 * static_cast<int64_t>(layers.size());
   double seconds = 0.0;
   if (start >= halves) return {x, residual, 0, true, seconds};
   Workspace ws = layers[0].workspace(x);
+  const Rope rope{cos, sin, local_cos, local_sin};
   for (int64_t i = start; i < halves; ++i) {
     const DecodeLayer& l = layers[i / 2];
     const bool attention = i % 2 == 0;
-    auto half = attention ? decode_attention_half(l, x, residual, add_residual, cos, sin,
+    auto half = attention ? decode_attention_half(l, x, residual, add_residual, rope,
                                                   slot_mapping, block_tables, context_lens,
                                                   lora_ids, ws)
                           : decode_mlp_half(l, x, residual, lora_ids, ws);
@@ -240,8 +284,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool, double> decode_stack_tp(
         collect(half, ShmCollective{buffers[seq & 1], flags, rank, seq, spins});
     seconds += dt;
     if (!arrived) return {out, res, i - start + 1, false, seconds};
-    const auto& bias = attention ? l.o_b : l.down_b;
-    if (bias.has_value()) out.add_(*bias);
+    finish_half(l, attention, out);
     x = out, residual = res, add_residual = true;
   }
   return {x, residual, halves - start, true, seconds};
@@ -281,7 +324,19 @@ void bind_decode_layer(pybind11::module& m) {
                            weight(o_w, 1), weight(gate_up_w, 2), weight(down_w, 3), qkv_b, o_b,
                            gate_up_b, down_b, eps1, eps2, scale, Hq, Hkv, adapters(0),
                            adapters(1), adapters(2), adapters(3)};
-      }));
+      }))
+      // the family's parts (FamilyParts), bound after construction; a Llama layer has none
+      .def("set_family_parts",
+           [](DecodeLayer& l, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+              c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
+              bool gelu, int64_t window, double softcap, bool local_rope) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+                         "DecodeLayer: q and k norms come together");
+             TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
+                         "DecodeLayer: the sandwich's two out norms come together");
+             l.family = FamilyParts{q_norm, k_norm, attn_out_norm, mlp_out_norm, gelu,
+                                    local_rope, window, softcap};
+           });
   // Without the GIL: a decode step spends nearly all its time in here, and the serving process
   // has other Python threads (the Triton adapter's response thread) that need not wait for it.
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -310,9 +365,11 @@ void bind_decode_layer(pybind11::module& m) {
         [](const DecodeLayer& l, at::Tensor x, at::Tensor residual, bool add_residual,
            at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
            at::Tensor block_tables, at::Tensor context_lens,
-           c10::optional<ShmCollective> coll, c10::optional<at::Tensor> lora_ids) {
+           c10::optional<ShmCollective> coll, c10::optional<at::Tensor> lora_ids,
+           c10::optional<at::Tensor> local_cos, c10::optional<at::Tensor> local_sin) {
           Workspace ws = l.workspace(x, true, false);
-          auto r = decode_attention_half(l, x, residual, add_residual, cos, sin, slot_mapping,
+          const Rope rope{cos, sin, local_cos, local_sin};
+          auto r = decode_attention_half(l, x, residual, add_residual, rope, slot_mapping,
                                          block_tables, context_lens, lora_ids, ws);
           return collect(r, coll);
         });

@@ -1,9 +1,10 @@
-// Row-wise fused CPU kernels: RMSNorm (with the residual add), SiLU * up, and rotary embedding
-// with the KV-cache write. Storage float32 or bfloat16, rounded where the torch reference
+// Row-wise fused CPU kernels: RMSNorm (with the residual add; per head for q/k norms), SiLU * up
+// (GELU * up), and rotary embedding with the KV-cache write. Storage float32 or bfloat16, rounded where the torch reference
 // (tpllm_kernels/reference.py) rounds; arithmetic float32.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +53,32 @@ void rms_norm_rows(const at::Tensor& x, T* residual, at::Tensor& out,
       T* orow = op + row * H;
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) orow[i] = from_f<T>(to_f(wp[i]) * (r[i] * inv));
+    }
+  });
+}
+
+// RMSNorm of each query and key head of qkv [T, (Hq + 2 Hkv) D] in place (Qwen3, Gemma 3: before
+// rotary), q heads with q_weight [D], k heads with k_weight [D]; a head's arithmetic is
+// rms_norm_rows' for one row of D.
+template <typename T>
+void qk_norm_impl(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                  int64_t Hq, int64_t Hkv, double eps) {
+  const int64_t D = q_weight.size(0), heads = Hq + Hkv, width = qkv.size(1);
+  T* p = qkv.data_ptr<T>();
+  const T* qw = q_weight.data_ptr<T>();
+  const T* kw = k_weight.data_ptr<T>();
+  team::parallel_for(0, qkv.size(0) * heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i % heads;
+      T* x = p + (i / heads) * width + h * D;
+      const T* w = h < Hq ? qw : kw;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) r[j] = to_f(x[j]);
+      const float ss = sum_squares(r.data(), D);
+      const float inv = 1.f / std::sqrt(ss / (float)D + (float)eps);
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) x[j] = from_f<T>(to_f(w[j]) * (r[j] * inv));
     }
   });
 }
@@ -183,6 +210,30 @@ void rotary_write_kv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t Hq
     rotary_write_kv_impl<bf16>(qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slots);
   else
     rotary_write_kv_impl<float>(qkv, cos, sin, Hq, Hkv, k_cache, v_cache, slots);
+}
+
+void qk_norm_(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t Hq,
+              int64_t Hkv, double eps) {
+  check_storage(qkv, "qk_norm_");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous() && q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type() &&
+                  q_weight.numel() == k_weight.numel() &&
+                  qkv.size(1) == (Hq + 2 * Hkv) * q_weight.numel(),
+              "qk_norm_: contiguous qkv [T, (Hq + 2 Hkv) D] and [D] weights of its dtype");
+  if (qkv.scalar_type() == at::kBFloat16)
+    qk_norm_impl<bf16>(qkv, q_weight, k_weight, Hq, Hkv, eps);
+  else
+    qk_norm_impl<float>(qkv, q_weight, k_weight, Hq, Hkv, eps);
+}
+
+// gelu(gate, tanh approximation) * up into out (GeGLU: Gemma), as the torch reference computes
+// it (torch's gelu, then the product): a decode step's few rows, where a vector tanh of our own
+// would buy little next to the weight stream.
+void gelu_tanh_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t I = gate_up.size(1) / 2;
+  at::gelu_out(out, gate_up.narrow(1, 0, I), "tanh");
+  out.mul_(gate_up.narrow(1, I, I));
 }
 
 // gate_up [N, 2I] contiguous -> silu(gate) * up [N, I]

@@ -16,6 +16,10 @@
 // Work: a task is (KV head, 8 consecutive query positions) for every query head that reads that
 // KV head (rows = heads x positions); tasks alternate early/late so both threads get an even
 // share of the causal triangle.
+//
+// Options: a sliding window (position p sees keys (p - window, p]): a task computes only the key
+// chunks from its first position's window on, and keys before the chunk's first window are not
+// even transposed; Gemma 2's logit soft-cap (a vector tanh per score, only when set).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -109,7 +113,7 @@ inline void pv_tile(const float* const* p, const float* const* v, int64_t k0, in
 template <int D>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int64_t* table, int64_t ctx, double scale,
-                  const int64_t* kvi, at::Tensor& out) {
+                  const int64_t* kvi, int64_t window, float softcap, at::Tensor& out) {
   const int64_t Tq = q.size(0), Hq = q.size(1), BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);
   const int64_t block_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
@@ -118,8 +122,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t first = ctx - Tq;  // position of the chunk's first query
-  const int64_t ldk = (ctx + kKeys - 1) / kKeys * kKeys;
-  const int64_t nblk = (ctx + BS - 1) / BS;
+  // the first key chunk any query of the chunk sees (0 without a window): keys before it are
+  // never read, and kt holds the keys from it on (key t at column t - kt_lo)
+  const int64_t kt_lo = attn::window_start(first, window) / kKeys * kKeys;
+  const int64_t ldk = (ctx - kt_lo + kKeys - 1) / kKeys * kKeys;
+  const int64_t blk_lo = kt_lo / BS, nblk = (ctx + BS - 1) / BS - blk_lo;
   // keys transposed per KV head: kt[kh][d][t], zeros past ctx; kept across calls (no page
   // faults per layer for a fresh buffer); the pool threads use it through this pointer
   static thread_local std::vector<float> kt_buffer;
@@ -127,16 +134,18 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
   float* const kt = kt_buffer.data();
   team::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t kh = b / nblk, blk = b % nblk;
+      const int64_t kh = b / nblk, blk = blk_lo + b % nblk;
+      const int64_t j0 = std::max<int64_t>(0, kt_lo - blk * BS);  // within the first block
       const float* src = kp + table[blk] * block_stride + kh * D;
-      float* dst = kt + kh * D * ldk + blk * BS;
-      const int64_t n = std::min(BS, ctx - blk * BS);
+      float* dst = kt + kh * D * ldk + (blk * BS + j0 - kt_lo);
+      const int64_t n = std::min(BS, ctx - blk * BS) - j0;
+      src += j0 * tok_stride;
       for (int d = 0; d < D; ++d)
         for (int64_t j = 0; j < n; ++j) dst[d * ldk + j] = src[j * tok_stride + d];
     }
   });
   for (int64_t row = 0; row < Hkv * D; ++row)
-    std::fill(kt + row * ldk + ctx, kt + (row + 1) * ldk, 0.f);
+    std::fill(kt + row * ldk + ctx - kt_lo, kt + (row + 1) * ldk, 0.f);
   std::vector<int64_t> heads_by_kv, group_start;
   group_heads_by_kv(kvi, Hq, Hkv, heads_by_kv, group_start);
   const int64_t qblocks = (Tq + kPos - 1) / kPos;
@@ -144,7 +153,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> sbuf, obuf;
     std::vector<const float*> qrow, vrow(kKeys);
     std::vector<float*> srow, orow;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> limit, start;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t kh = t / qblocks, i = t % qblocks;
       // early and late blocks alternate: contiguous task ranges cost about the same
@@ -154,32 +163,40 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t R = G * P, tiles = (R + kRows - 1) / kRows, Rp = tiles * kRows;
       const int64_t n = first + p0 + P;  // keys the task's last position sees
       const int64_t npad = (n + kKeys - 1) / kKeys * kKeys;
+      // the task's keys are [k_lo, n): k_lo is its first position's window start, down to a
+      // chunk; a row's scores are indexed from k_lo
+      const int64_t k_lo = attn::window_start(first + p0, window) / kKeys * kKeys;
+      const int64_t span = npad - k_lo;
       // rows r = g * P + j: query head g of the group at position p0 + j; the last tile is
       // padded by repeating the last row (computed, never stored)
-      sbuf.resize(Rp * npad), obuf.assign(Rp * D, 0.f);
-      qrow.resize(Rp), srow.resize(Rp), orow.resize(Rp), limit.resize(Rp);
+      sbuf.resize(Rp * span), obuf.assign(Rp * D, 0.f);
+      qrow.resize(Rp), srow.resize(Rp), orow.resize(Rp), limit.resize(Rp), start.resize(Rp);
       for (int64_t r = 0; r < Rp; ++r) {
         const int64_t rr = std::min(r, R - 1), h = heads_by_kv[group_start[kh] + rr / P];
         const int64_t pos = p0 + rr % P;
         qrow[r] = qp + pos * q_tok + h * q_head;
-        srow[r] = sbuf.data() + r * npad;
+        srow[r] = sbuf.data() + r * span;
         orow[r] = obuf.data() + r * D;
-        limit[r] = first + pos + 1;
+        limit[r] = first + pos + 1 - k_lo;
+        start[r] = attn::window_start(first + pos, window) - k_lo;
       }
-      const float* ktk = kt + kh * D * ldk;
-      for (int64_t k0 = 0; k0 < npad; k0 += 16 * kTileVecs)
+      const float* ktk = kt + kh * D * ldk + (k_lo - kt_lo);
+      for (int64_t k0 = 0; k0 < span; k0 += 16 * kTileVecs)
         for (int64_t tile = 0; tile < tiles; ++tile)
           score_tile<D>(qrow.data() + tile * kRows, ktk, ldk, k0, (float)scale,
                         srow.data() + tile * kRows);
+      if (softcap > 0.f)
+        for (int64_t r = 0; r < Rp; ++r) softcap_row(srow[r], span, softcap);
       std::vector<float> inv(Rp);
       for (int64_t r = 0; r < Rp; ++r)
-        inv[r] = 1.f / softmax_row(srow[r], limit[r], npad).sum;
-      for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
+        inv[r] = 1.f / softmax_row(srow[r], limit[r], span, start[r]).sum;
+      for (int64_t k0 = k_lo; k0 < n; k0 += kKeys) {
         const int64_t k1 = std::min(n, k0 + kKeys);
         for (int64_t k = k0; k < k1; ++k)
           vrow[k - k0] = vp + table[k / BS] * block_stride + (k % BS) * tok_stride + kh * D;
         for (int64_t tile = 0; tile < tiles; ++tile)
-          pv_tile<D>(srow.data() + tile * kRows, vrow.data(), k0, k1, orow.data() + tile * kRows);
+          pv_tile<D>(srow.data() + tile * kRows, vrow.data(), k0 - k_lo, k1 - k_lo,
+                     orow.data() + tile * kRows);
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = heads_by_kv[group_start[kh] + r / P], pos = p0 + r % P;
@@ -205,10 +222,13 @@ bool prefill_attention_supported(int64_t head_dim) {
 
 // q [Tq, Hq, D] (any row and head strides, unit stride within a head) are the chunk's last Tq
 // positions of a sequence whose first `context_len` tokens (the chunk included) are in the
-// float32 caches [blocks, BS, Hkv, D] at `block_table`. Returns [Tq, Hq, D].
+// float32 caches [blocks, BS, Hkv, D] at `block_table`; window: position p sees keys
+// (p - window, p] (0: all up to p); softcap: logits softcap * tanh(logit / softcap) (0: none).
+// Returns [Tq, Hq, D].
 at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
-                                      at::Tensor v_cache, at::Tensor block_table,
-                                      int64_t context_len, double scale, at::Tensor kv_index) {
+                                   at::Tensor v_cache, at::Tensor block_table,
+                                   int64_t context_len, double scale, at::Tensor kv_index,
+                                   int64_t window, double softcap) {
   const int64_t D = q.size(2);
   TORCH_CHECK(prefill_attention_supported(D), "paged_prefill_attention: head_dim 64 with "
               "AVX2 or AVX-512 only");
@@ -218,12 +238,14 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache,
               "paged_prefill_attention: float32, contiguous caches, unit stride within a head");
   TORCH_CHECK(q.size(0) <= context_len && block_table.numel() * k_cache.size(1) >= context_len,
               "paged_prefill_attention: the block table must cover context_len >= chunk length");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0,
+              "paged_prefill_attention: window and softcap must be >= 0 (0: none)");
   auto out = at::empty({q.size(0), q.size(1), D}, q.options());
   auto table = block_table.to(at::kLong).contiguous();
   auto kvi = kv_index.to(at::kLong).contiguous();
 #if defined(TPLLM_SIMD16)
   prefill_impl<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, scale,
-                   kvi.data_ptr<int64_t>(), out);
+                   kvi.data_ptr<int64_t>(), window, static_cast<float>(softcap), out);
 #endif
   return out;
 }
