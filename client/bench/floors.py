@@ -29,6 +29,9 @@ class ModelCost:
     lm_head_params: int
     itemsize: int
     kv_heads: int = 0
+    # each layer's sliding window (0: the whole context): a windowed layer's attention reads
+    # and computes at most that many keys
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "ModelCost":
@@ -40,14 +43,20 @@ class ModelCost:
                      + inter * h + h * cfg.mlp_bias)                 # down_proj
         return cls(cfg.num_layers, cfg.num_heads, hd, per_layer * cfg.num_layers,
                    cfg.vocab_size * h, torch.empty((), dtype=dtype).element_size(),
-                   cfg.num_kv_heads)
+                   cfg.num_kv_heads, tuple(cfg.layer_windows))
+
+    def _layer_windows(self) -> tuple[int, ...]:
+        return self.windows or (0,) * self.layers
 
     def forward_flops(self, new_tokens: int, ctx_start: int, logits_rows: int) -> float:
         """FLOPs of one sequence's forward over `new_tokens` tokens after `ctx_start` cached ones:
         linears per token, lm_head only for rows that sample, causal attention (QK^T and PV,
-        token at position p attends to p+1 keys; a prefill of L gives ~L^2/2)."""
-        keys = new_tokens * ctx_start + new_tokens * (new_tokens + 1) / 2
-        attn = 2 * 2 * self.layers * self.heads * self.head_dim * keys
+        token at position p attends to p+1 keys, a windowed layer's to at most its window; a
+        prefill of L gives ~L^2/2)."""
+        seen = torch.arange(ctx_start + 1, ctx_start + new_tokens + 1, dtype=torch.float64)
+        keys = sum(float(seen.clamp(max=w).sum() if w else seen.sum())
+                   for w in self._layer_windows())
+        attn = 2 * 2 * self.heads * self.head_dim * keys
         return 2 * self.layer_params * new_tokens + 2 * self.lm_head_params * logits_rows + attn
 
     @property
@@ -63,8 +72,10 @@ class ModelCost:
 
     def decode_bytes(self, context: float, sequences: int = 1) -> float:
         """Bytes a decode step of `sequences` rows must read at `context` cached tokens each:
-        the weights once, every row's K/V."""
-        return self.weight_bytes + sequences * self.kv_bytes_per_token * context
+        the weights once, every row's K/V (a windowed layer's within its window)."""
+        per_layer = self.kv_bytes_per_token / self.layers
+        kv = sum(per_layer * (min(context, w) if w else context) for w in self._layer_windows())
+        return self.weight_bytes + sequences * kv
 
     def mean_decode_bytes(self, input_len: int, output_len: int) -> float:
         """A batch-1 decode step's bytes at the mean context of an input_len / output_len
