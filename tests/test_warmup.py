@@ -11,6 +11,7 @@ from backend.engine.kv_manager import KVCacheManager
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
 from tests.required import no_cpu_kernels
+from tests.tiny_models import make_tiny_checkpoint
 
 
 @pytest.mark.parametrize("seqs, tokens", [(64, 2048), (8, 64), (5, 100), (256, 8192), (1, 16)])
@@ -84,7 +85,6 @@ def tiny(tmp_path_factory):
     """More layers than warmup runs its prompt buckets through (WARM_LAYERS): what it skips
     must leave nothing cold."""
     from backend.engine.warmup import WARM_LAYERS
-    from tests.tiny_models import make_tiny_checkpoint
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_warm"),
                                 layers=WARM_LAYERS + 2)
 
@@ -121,6 +121,27 @@ def test_prompt_buckets_warm_through_the_first_layers(tiny, monkeypatch):
     _varied_workload(llm, seed=3)
     counts = [prompt_calls.count(i) for i in layers]
     assert counts[0] > 0 and len(set(counts)) == 1, counts
+    assert llm.engine.cold_path.total == 0, llm.engine.cold_path.snapshot()
+
+
+def test_prompt_buckets_warm_each_layer_kind(tmp_path, monkeypatch):
+    """A family with layer kinds (Gemma 3: windowed layers, then a global one) runs its prompt
+    buckets through the first layer of each kind; real prompts then meet nothing cold."""
+    import transformers as tf
+    from backend.engine.warmup import warm_layers
+
+    assert warm_layers((0,) * 6) == warm_layers((8, 0, 8, 0)) == 2
+    assert warm_layers((8, 8, 8, 8, 8, 0, 8)) == 6
+    model = make_tiny_checkpoint("gemma3", tmp_path, layers=5)
+    cfg = tf.AutoConfig.from_pretrained(model)  # one global layer, last: the worst case
+    cfg.layer_types = ["sliding_attention"] * 4 + ["full_attention"]
+    cfg.save_pretrained(model)
+    prompt_calls = _prompt_layer_calls(monkeypatch)
+    llm = LLM(model=str(model), num_kv_blocks=128, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=96)
+    layers = [id(layer) for layer in llm.engine.runner.model.layers]
+    assert [prompt_calls.count(i) > 0 for i in layers] == [True] * 5
+    _varied_workload(llm, seed=4)
     assert llm.engine.cold_path.total == 0, llm.engine.cold_path.snapshot()
 
 

@@ -3,7 +3,8 @@ engine reports ready, so the first real request pays for nothing the tenth does 
 
 Decode buckets run whole (the fused stack binds each layer on its first step), and so does every
 bucket with LoRA adapters' rows. Other buckets with a prompt chunk run their first WARM_LAYERS
-layers, then the norm, head and sampler: every layer runs the same shapes through the same code,
+layers (more where a family has layer kinds: warm_layers), then the norm, head and sampler:
+every layer of a kind runs the same shapes through the same code,
 so the GEMM libraries' per-shape kernels, the attention's and the sampler's first calls are all
 met there, and the largest buckets, most of a whole-model warmup's time, cost a fraction of it
 (docs/decisions.md, "Warmup runs prompt buckets through two layers")."""
@@ -25,6 +26,16 @@ log = logging.getLogger("backend.engine")
 
 # The first layer adds no residual; the second is every later layer's code path.
 WARM_LAYERS = 2
+
+
+def warm_layers(layer_windows: tuple[int, ...]) -> int:
+    """How many first layers prompt buckets run through: WARM_LAYERS, or through the first
+    layer of each kind where layers differ (windowed and global: Gemma 3's first global layer
+    is its sixth), so every kind's attention meets its shapes here."""
+    first = {}
+    for i, window in enumerate(layer_windows):
+        first.setdefault(window > 0, i)
+    return max(WARM_LAYERS, max(first.values(), default=0) + 1)
 
 # Exercise every sampler path: greedy, and random with every filter and penalty on.
 _PARAMS = (SamplingParams(temperature=0.0),
@@ -75,7 +86,8 @@ def warm_up(engine) -> float:
     # With LoRA adapters, each step again with their rows, through every layer: an adapter may
     # target any layers, each its own projections, so no first few layers hold every shape.
     lora_steps = engine.loras.warmup_steps(steps)
-    steps = [replace(s, layer_limit=WARM_LAYERS) if s.prefills else s for s in steps] + lora_steps
+    limit = warm_layers(engine.model_config.layer_windows)
+    steps = [replace(s, layer_limit=limit) if s.prefills else s for s in steps] + lora_steps
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)
         rows = [Sequence(f"warmup-{j}", [1, 2, 3], 2, _PARAMS[j % 2], j)

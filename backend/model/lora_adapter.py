@@ -27,10 +27,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's module name -> where it sits in a decoder layer
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # a fused checkpoint's modules (Phi-3) -> the modules their B's rows split into, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# every module an adapter may name -> where it sits in a decoder layer
+_PARENT = {**TARGETS, **{m: TARGETS[parts[0]] for m, parts in FUSED.items()}}
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?"
                   r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 
@@ -84,9 +85,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig,
         with safe_open(str(weights_file), framework="pt") as f:
             for key in f.keys():
                 m = _KEY.fullmatch(key)
-                if m is None or TARGETS.get(m.group(3)) != m.group(2):
+                if m is None or _PARENT.get(m.group(3)) != m.group(2):
                     raise fail(f"unsupported tensor {key!r}: only LoRA on the decoder layers' "
-                               f"{'/'.join(TARGETS)} is served")
+                               f"{'/'.join(_PARENT)} is served")
                 halves[(int(m.group(1)), m.group(3), m.group(4))] = f.get_tensor(key).float()
     except LoraAdapterError:
         raise
@@ -158,9 +159,9 @@ def _read_config(path: Path, fail) -> dict:
         raise fail(f"bias={conf['bias']!r} is not supported (only 'none')")
     targets = conf.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        other = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in TARGETS)
+        other = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in _PARENT)
         if other:
-            raise fail(f"target_modules {other} not supported: only {', '.join(TARGETS)}")
+            raise fail(f"target_modules {other} not supported: only {', '.join(_PARENT)}")
     return conf
 
 
