@@ -61,6 +61,21 @@ def test_greedy_matches_transformers_on_every_path(arch, family):
         assert engine_model.fused_steps > 0
 
 
+def test_blocks_behind_every_layers_window_are_released(family):
+    """Every layer windowed (Mistral): a sequence holds its window's blocks, not its context's,
+    so a context several times the KV pool decodes, token-exact; the pool is whole again after."""
+    model, _ = family("mistral")
+    prompt = _prompts()[2]  # 40 tokens; with 40 more, 20 blocks of 4: the pool has 8
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = greedy(hf_model(model), prompt, 40)
+    with LLM(model=str(model), **{**ENGINE, "num_kv_blocks": 8}) as llm:
+        assert llm.engine.kv.window == TINY_WINDOW
+        assert llm.generate(prompt, sp)[0].token_ids == want
+        assert llm.generate([prompt, prompt[::-1]], [sp, sp])[1].token_ids == greedy(
+            hf_model(model), prompt[::-1], 40)
+        assert llm.engine.kv.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_matches_tp1(arch, family):
     model, want = family(arch)

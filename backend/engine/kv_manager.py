@@ -9,6 +9,12 @@ never written while another sequence reads it. Every block 1..num_blocks is in e
   empty     ref 0, no key: never used, or freed while partial / uncached (taken first)
   evictable ref 0, keyed: a finished sequence's full block, kept while the pool allows (LRU)
   owned     ref >= 1: in the block table of that many running or preempted-pending sequences
+
+Sliding windows: where every layer of the model is windowed (Mistral), a block whose tokens all
+lie behind the window of a sequence's next token is never read by it again; it is released
+(release_behind_window: its table entry becomes SCRATCH_BLOCK, which the attention kernels,
+starting at the window, never read), so a sequence holds about its window's blocks, not its
+whole context's. A released full block stays keyed and hit-able until evicted.
 """
 from __future__ import annotations
 
@@ -32,12 +38,15 @@ def block_key(parent: bytes, token_ids: list[int]) -> bytes:
 class KVCacheManager:
     """Hands out blocks 1..num_blocks; the cache tensors hold num_blocks + 1 (block 0 scratch)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 window: int = 0, max_step_tokens: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window  # the narrowest layer's window where every layer has one, else 0
+        self.max_step_tokens = max_step_tokens  # the most tokens one step computes for a sequence
         self._ref = [0] * (num_blocks + 1)
         # A stack: recently freed (CPU-cache-warm) blocks are reused first.
         self._empty = list(range(num_blocks, SCRATCH_BLOCK, -1))
@@ -65,6 +74,15 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def most_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once: all of them, or with a window
+        those from its window's start to the end of its largest step (+ 1: a window straddles
+        a block boundary)."""
+        if not self.window or not self.max_step_tokens:
+            return self.blocks_for(num_tokens)
+        return min(self.blocks_for(num_tokens),
+                   self.blocks_for(self.window + self.max_step_tokens) + 1)
 
     # ---- prefix lookup ----------------------------------------------------------------------
     def _keys(self, seq: Sequence, num_full: int) -> list[bytes]:
@@ -98,10 +116,14 @@ class KVCacheManager:
         shared first. All or nothing: returns False and changes nothing when blocks are short."""
         assert not prefix or not seq.block_table, "a prefix is shared only by an empty table"
         need = self.blocks_for(num_tokens) - len(seq.block_table) - len(prefix)
-        revived = sum(1 for b in prefix if self._ref[b] == 0)  # leave the free pool when shared
+        # with a window, the prefix's blocks behind the first uncached token's window are not
+        # read again: not shared (release_behind_window's SCRATCH_BLOCK entries)
+        behind = self._behind_window(len(prefix) * self.block_size) if prefix else 0
+        revived = sum(1 for b in prefix[behind:] if self._ref[b] == 0)  # leave the free pool
         if max(need, 0) + revived + reserve > self.num_free_blocks:
             return False
-        for b in prefix:
+        seq.block_table.extend([SCRATCH_BLOCK] * behind)
+        for b in prefix[behind:]:
             if self._ref[b] == 0:
                 del self._evictable[b]
             self._ref[b] += 1
@@ -129,7 +151,7 @@ class KVCacheManager:
         keys = self._keys(seq, full)
         for i in range(seq.num_keyed_blocks, full):
             b, key = seq.block_table[i], keys[i]
-            if b not in self._key_of and key not in self._block_of:
+            if b != SCRATCH_BLOCK and b not in self._key_of and key not in self._block_of:
                 self._key_of[b], self._block_of[key] = key, b
         seq.num_keyed_blocks = max(seq.num_keyed_blocks, full)
 
@@ -137,15 +159,38 @@ class KVCacheManager:
         """Release seq's blocks. Tail first, so a prefix's later blocks are evicted before its
         earlier ones (a later block is useless once an earlier one is gone)."""
         for b in reversed(seq.block_table):
-            self._ref[b] -= 1
-            assert self._ref[b] >= 0, f"block {b} freed twice"
-            if self._ref[b] == 0:
-                if b in self._key_of:
-                    self._evictable[b] = None
-                else:
-                    self._empty.append(b)
+            self._release(b)
         seq.block_table = []
         seq.num_keyed_blocks = 0
+
+    def _release(self, b: int) -> None:
+        if b == SCRATCH_BLOCK:  # a block released behind the window already
+            return
+        self._ref[b] -= 1
+        assert self._ref[b] >= 0, f"block {b} freed twice"
+        if self._ref[b] == 0:
+            if b in self._key_of:
+                self._evictable[b] = None
+            else:
+                self._empty.append(b)
+
+    def _behind_window(self, computed: int) -> int:
+        """How many leading blocks lie wholly behind the window of token `computed` (the next
+        one a sequence computes): 0 without a window."""
+        if not self.window:
+            return 0
+        return max(0, computed - self.window + 1) // self.block_size
+
+    def release_behind_window(self, seq: Sequence) -> int:
+        """With a window (every layer windowed), release seq's blocks that its next token's
+        window starts after (call once its computed tokens moved on); returns how many."""
+        released = 0
+        for i in range(min(self._behind_window(seq.num_computed_tokens), len(seq.block_table))):
+            if seq.block_table[i] != SCRATCH_BLOCK:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = SCRATCH_BLOCK
+                released += 1
+        return released
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the cache contents can no longer be trusted, e.g. after
@@ -160,7 +205,7 @@ class KVCacheManager:
         refs = [0] * (self.num_blocks + 1)
         for s in live:
             for b in s.block_table:
-                refs[b] += 1
+                refs[b] += b != SCRATCH_BLOCK
         assert refs == self._ref, "reference counts differ from the live block tables"
         empty, evict = set(self._empty), set(self._evictable)
         assert len(empty) == len(self._empty) and not empty & evict, "a block freed twice"

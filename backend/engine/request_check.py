@@ -50,7 +50,7 @@ def check_lengths(n: int, max_tokens: int, max_model_len: int, kv: KVCacheManage
         raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                          f"the context length {max_model_len}; use max_tokens <= "
                          f"{max_model_len - n}")
-    if kv.blocks_for(n + max_tokens) > kv.num_blocks:
+    if kv.most_blocks_held(n + max_tokens) > kv.num_blocks:
         raise ValueError(f"max_tokens: prompt + max_tokens ({n + max_tokens} tokens) exceeds "
                          f"the KV cache ({kv.num_blocks * kv.block_size} tokens)")
 

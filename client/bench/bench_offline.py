@@ -279,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
 
     llm = LLM(model=model_dir, dtype=args.dtype, num_threads=args.threads)
     res["info"]["model_dir"] = str(llm.engine.model_dir)
-    pad_id = llm.tokenizer.pad_token_id
+    pad_id = getattr(llm.tokenizer, "pad_token_id", None)  # random checkpoints: no tokenizer
     pad_id = pad_id if pad_id is not None else (cfg.eos_token_ids or (0,))[0]
     # the weights as a batch-1 step reads them (one rank: the bench runs TP1)
     weights_read = floors.step_weight_bytes(llm.engine.runner.model)
