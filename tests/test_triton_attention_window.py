@@ -16,11 +16,7 @@ past 128 and a chunk of more than 128 tokens make several key and query tiles th
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -268,39 +264,3 @@ def test_options_are_keyword_only():
         T.decode_attention(None, None, None, None, 1.0, None, 8)  # type: ignore[misc]
     with pytest.raises(TypeError):
         T.prefill_attention(None, None, None, None, None, None, 1.0, None, 8)  # type: ignore
-
-
-_COMPILE_OPTIONS = """
-import sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/gpu"]
-import torch
-from compile_check import compile_only
-from tpllm_kernels import triton_attention as att
-from tpllm_kernels.metadata import DecodeBatch, PrefillChunk
-compiled = []
-with compile_only(90, compiled):
-    hq, hkv, d, bs, kw = 9, 3, 64, 16, dict(window=32, softcap=50.0)
-    kc = torch.zeros(64, bs, hkv, d, dtype=torch.bfloat16)
-    q = torch.randn(4, hq, d, dtype=torch.bfloat16)
-    batch = DecodeBatch(torch.zeros(4, 8, dtype=torch.long), torch.tensor([5, 9, 100, 1]), 100, bs)
-    att.decode_attention(q, kc, kc, batch, d ** -0.5, num_splits=8, **kw)
-    att.decode_attention(q, kc, kc, batch, d ** -0.5, torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 2]),
-                         **kw)
-    qp = torch.randn(7, hq, d, dtype=torch.bfloat16)
-    att.prefill_attention_varlen(qp, kc, kc, [PrefillChunk(0, 7, 20, torch.arange(2))],
-                                 d ** -0.5, **kw)
-print(len(compiled), "option variants compiled")
-"""
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the kernels compile for real above")
-def test_option_variants_compile_for_hopper(tmp_path):
-    """The windowed, soft-capped kernels compile for sm_90 without a GPU (the interpreter
-    accepts what the compiler may not); tests/gpu/compile_check.py covers the plain ones."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = os.environ.get("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    root = str(Path(__file__).resolve().parents[1])
-    res = subprocess.run([sys.executable, "-c", _COMPILE_OPTIONS, root], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "4 option variants compiled" in res.stdout

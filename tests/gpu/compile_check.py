@@ -105,6 +105,10 @@ def exercise(dtype: torch.dtype) -> None:
     qp = torch.randn(t, hq, d, dtype=dtype)
     att.prefill_attention(qp, qp, qp, kc, kc, chunk, d ** -0.5)
     att.prefill_attention_varlen(qp, kc, kc, [chunk], d ** -0.5)
+    # the families' variants: a sliding window, Gemma 2's logit cap
+    for opts in ({"window": 8}, {"softcap": 50.0}, {"window": 8, "softcap": 50.0}):
+        att.decode_attention(q, kc, kc, batch, d ** -0.5, **opts)
+        att.prefill_attention_varlen(qp, kc, kc, [chunk], d ** -0.5, **opts)
 
 
 def main() -> int:
