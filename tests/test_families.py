@@ -129,3 +129,9 @@ def test_released_config_spellings():
         "rope_scaling": {"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}})
     assert p.rope_scaling["rope_type"] == "longrope" and p.rotary_dim == 12
     assert p.original_max_position_embeddings == 4096
+    # sliding_attention layers with a null window attend to everything, as transformers runs them
+    g2 = ModelConfig.from_dict({
+        "model_type": "gemma2", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": None,
+        "layer_types": ["sliding_attention", "full_attention"]})
+    assert g2.layer_windows == (0, 0) and g2.attn_softcap == 50.0

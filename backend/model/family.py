@@ -107,10 +107,8 @@ def layer_windows(family: Family, raw: dict, num_layers: int) -> tuple[int, ...]
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: "
                              "sliding_attention, full_attention")
-        if "sliding_attention" in types and not window:
-            if family.window_rule == "qwen2":  # Qwen's layer_types name windows it does not use
-                return (0,) * num_layers
-            raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+        # sliding_attention layers without a window (Qwen2 without use_sliding_window, a null
+        # sliding_window) attend to everything, as transformers runs them
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
     if not window or family.window_rule == "none":
         return (0,) * num_layers
