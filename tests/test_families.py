@@ -135,3 +135,32 @@ def test_released_config_spellings():
         "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": None,
         "layer_types": ["sliding_attention", "full_attention"]})
     assert g2.layer_windows == (0, 0) and g2.attn_softcap == 50.0
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """A gemma3 (image + text) checkpoint: its language_model tensors load, the vision tower's
+    are skipped; prompt logits equal transformers' Gemma3ForConditionalGeneration on text."""
+    import transformers as tf
+
+    from tests.test_model_fidelity import _our_logits
+
+    text = tf.Gemma3TextConfig(
+        vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256, pad_token_id=0)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5,
+        boi_token_index=3, eoi_token_index=4)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(6, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _our_logits(tmp_path, ids, [7, 9] + [1] * 4)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
