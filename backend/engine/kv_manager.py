@@ -181,16 +181,19 @@ class KVCacheManager:
             return 0
         return max(0, computed - self.window + 1) // self.block_size
 
-    def release_behind_window(self, seq: Sequence) -> int:
+    def computed(self, seq: Sequence) -> None:
+        """seq's computed tokens moved on (its step ran, or its drafts were accepted): key its
+        blocks that became full, then release those behind its next token's window."""
+        self.cache_full_blocks(seq)
+        self.release_behind_window(seq)
+
+    def release_behind_window(self, seq: Sequence) -> None:
         """With a window (every layer windowed), release seq's blocks that its next token's
-        window starts after (call once its computed tokens moved on); returns how many."""
-        released = 0
+        window starts after."""
         for i in range(min(self._behind_window(seq.num_computed_tokens), len(seq.block_table))):
             if seq.block_table[i] != SCRATCH_BLOCK:
                 self._release(seq.block_table[i])
                 seq.block_table[i] = SCRATCH_BLOCK
-                released += 1
-        return released
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the cache contents can no longer be trusted, e.g. after

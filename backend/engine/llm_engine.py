@@ -143,11 +143,9 @@ class LLMEngine:
     def _build_policies(self, num_blocks: int) -> None:
         """The KV cache manager, scheduler, guided-decoding masker, sampler and speculator."""
         config, cfg = self.config, self.model_config
-        # every layer windowed (Mistral): blocks behind the narrowest window are released
-        windows = cfg.layer_windows
-        window = min(windows) if windows and all(windows) else 0
+        # every layer windowed (Mistral): blocks behind the window are released
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window, config.max_num_batched_tokens)
+                                 cfg.kv_window, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.plan, config.resolved_step_overhead_tokens(self.device),
                                    config.max_loras if config.enable_lora else 0)
@@ -336,8 +334,7 @@ class LLMEngine:
         comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts: once accepted
-            self.kv.cache_full_blocks(seq)  # their K/V are written now: others may share them
-            self.kv.release_behind_window(seq)
+            self.kv.computed(seq)  # their K/V are written now: others may share them
             seq.model_seconds += t1 - t0
             seq.collective_seconds += comm_s
         appended = 0
@@ -444,8 +441,7 @@ class LLMEngine:
                 return RequestOutput.merged(parts)
         if accepted:  # the accepted drafts' K/V (written this step) now count as computed
             seq.num_computed_tokens += accepted
-            self.kv.cache_full_blocks(seq)
-            self.kv.release_behind_window(seq)
+            self.kv.computed(seq)
         return RequestOutput.merged(parts)
 
     def _attach_logprobs(self, out: RequestOutput, pos, skip_special_tokens: bool) -> None:

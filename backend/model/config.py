@@ -52,9 +52,10 @@ class ModelConfig:
         return family_of(self.model_type)
 
     @property
-    def sliding_window(self) -> int | None:
-        """The widest window of any layer (None: no windowed layer)."""
-        return max(self.layer_windows, default=0) or None
+    def kv_window(self) -> int:
+        """The window every layer has, where every layer has one (the narrowest: Mistral): the
+        KV blocks behind it are never read again. 0 where some layer sees the whole context."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     @property
     def rotary_dim(self) -> int:

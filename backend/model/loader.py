@@ -14,7 +14,7 @@ from backend.model.errors import ModelLoadError
 from backend.model.checkpoint_names import checkpoint_targets
 from backend.model.layers import RMSNorm
 from backend.model.llama import LlamaForCausalLM
-from backend.model.rotary import head_permutation
+from backend.model.rotary import head_permutation, permute_head_rows
 from backend.parallel.context import ParallelContext
 
 log = logging.getLogger("backend.model")
@@ -92,11 +92,10 @@ def to_kernel_layout(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
         return
     for layer in model.layers:
         attn = layer.self_attn
-        d, qk = cfg.head_dim, (attn.num_q + attn.num_kv) * cfg.head_dim
+        qk = (attn.num_q + attn.num_kv) * cfg.head_dim  # v's rows keep their order
         for p in (attn.qkv_proj.weight, attn.qkv_proj.bias):
             if p is not None:
-                heads = p[:qk].view(attn.num_q + attn.num_kv, d, *p.shape[1:])
-                heads.copy_(heads.index_select(1, perm.to(p.device)))
+                p[:qk].copy_(permute_head_rows(p[:qk], perm, cfg.head_dim))
 
 
 def _load_slice(param: torch.nn.Parameter, sid: str | None, sl, path: Path, key: str,

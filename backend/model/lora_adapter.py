@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
-from backend.model.rotary import head_permutation
+from backend.model.rotary import head_permutation, permute_head_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -132,8 +132,7 @@ def _kernel_rows(cfg: ModelConfig, module: str, b: torch.Tensor) -> torch.Tensor
     perm = head_permutation(cfg)
     if perm is None or module not in ("q_proj", "k_proj"):
         return b.contiguous()
-    d = cfg.head_dim
-    return b.view(-1, d, b.shape[1]).index_select(1, perm).reshape(b.shape).contiguous()
+    return permute_head_rows(b.contiguous(), perm, cfg.head_dim)
 
 
 def _read_config(path: Path, fail) -> dict:

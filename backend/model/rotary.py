@@ -27,6 +27,13 @@ def head_permutation(cfg: ModelConfig) -> torch.Tensor | None:
     return torch.tensor(order)
 
 
+def permute_head_rows(rows: torch.Tensor, perm: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """rows [heads * head_dim, ...] (a q or k projection's weight, bias or LoRA B) with each
+    head's rows in head_permutation's order."""
+    heads = rows.view(-1, head_dim, *rows.shape[1:])
+    return heads.index_select(1, perm.to(rows.device)).view(rows.shape)
+
+
 def _tables(cfg: ModelConfig, theta: float, scaling: dict | None, max_positions: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = rope_frequencies(cfg.rotary_dim, theta, scaling, cfg.max_position_embeddings,
