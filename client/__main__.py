@@ -249,11 +249,22 @@ def _cmd_bench_step_parts(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench.bench_step_parts")
 
 
+def _cmd_bench_parallel(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("parallel", help="n samples of a prompt vs n separate requests")
+    _runtime_args(p)
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (default 5)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/parallel-<ts>.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.set_defaults(runner="client.bench.bench_parallel")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
                              metavar="{offline,tp,coldstart,clients,prefix,structured,decode,"
-                                     "speculation,spec-replay,lora,step-parts}")
+                                     "speculation,spec-replay,lora,step-parts,parallel}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
@@ -265,6 +276,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     _cmd_bench_spec_replay(bench)
     _cmd_bench_lora(bench)
     _cmd_bench_step_parts(bench)
+    _cmd_bench_parallel(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -123,3 +123,25 @@ def test_non_streaming_sends_every_position_once():
     assert tensors_for(s, _out("a", 1, 5)) is None
     d = tensors_for(s, _out("b", 2, 6, finished=True))
     assert len(json.loads(d["logprobs"][0])) == 2 and d["num_output_tokens"][0] == 2
+
+
+def _group(parts: list[tuple[str, int, int, bool]], finished: bool = False):
+    """An n > 1 update: (text, num_output_tokens, token, sample finished) per sample."""
+    samples = [RequestOutput("r", t, [tok] if t else [], done, "stop" if done else None, 2, n,
+                             logprobs=[_pos(tok, -0.25 * n)] if t else None, index=i)
+               for i, (t, n, tok, done) in enumerate(parts)]
+    return RequestOutput("r", "", [], finished, "stop" if finished else None, 2,
+                         sum(n for _, n, _, _ in parts), samples=samples)
+
+
+def test_parallel_samples_each_report_their_own_logprobs_and_tokens():
+    s = _state(stream=True)
+    d = tensors_for(s, _group([("a", 1, 5, False), ("", 0, 0, False)]))
+    assert list(d["text_output"]) == [b"a", b""]
+    assert [len(json.loads(x)) for x in d["logprobs"]] == [1, 0]
+    assert list(d["num_output_tokens"]) == [1, 0]
+    assert tensors_for(s, _group([("", 1, 0, True), ("", 0, 0, False)])) is None  # nothing new
+    d = tensors_for(s, _group([("", 1, 0, True), ("bc", 2, 7, True)], finished=True))
+    assert list(d["text_output"]) == [b"", b"bc"]
+    assert [list(e) for e in json.loads(d["logprobs"][1])] == [["7", "99"]]
+    assert list(d["num_output_tokens"]) == [0, 2]

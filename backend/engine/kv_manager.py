@@ -29,6 +29,10 @@ from backend.engine.sequence import Sequence
 SCRATCH_BLOCK = 0  # never handed out: padding rows write their K/V here
 
 
+class NoFreeBlock(Exception):
+    """No block is free for an allocation that cannot wait (KVCacheManager.fork)."""
+
+
 def block_key(parent: bytes, token_ids: list[int]) -> bytes:
     """The key of a full block: a digest of its parent's key and its tokens (sha256: a collision
     would silently serve another prompt's K/V, so no 64-bit hash)."""
@@ -131,6 +135,29 @@ class KVCacheManager:
         for _ in range(need):
             seq.block_table.append(self._take())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give child (holding nothing) parent's K/V of its first num_tokens tokens: the full
+        blocks shared, the last partial one copied to a block of its own (both write their next
+        tokens there). Returns the (source, copy) pair the caches must copy before the next
+        forward, None when there is nothing to copy; raises NoFreeBlock (child unchanged) when
+        no block is free for the copy."""
+        assert not child.block_table
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.num_free_blocks:
+            raise NoFreeBlock
+        shared = parent.block_table[:full]
+        for b in shared:
+            if b != SCRATCH_BLOCK:
+                self._ref[b] += 1
+        child.block_table = list(shared)
+        child.block_keys = list(parent.block_keys[:full])
+        child.num_keyed_blocks = min(parent.num_keyed_blocks, full)
+        if not partial:
+            return None
+        copy = self._take()
+        child.block_table.append(copy)
+        return parent.block_table[full], copy
 
     def _take(self) -> int:
         """An empty block, else the least recently released cached block (its key dropped)."""

@@ -12,19 +12,22 @@ import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 
+import numpy as np
 import torch
 
 from backend.engine.buckets import BucketPlan
 from backend.engine.coldpath import ColdPathCounter
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from backend.engine.sampling.guided import GuidedMasker
+from backend.engine.sampling.guided import GuidedMasker, GuidedState
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.sampling.logprobs import decode_tokens
 from backend.engine.lora import LoraRegistry
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
+from backend.engine.parallel_sampling import (SampleGroup, child_seed, fork_samples,
+                                              merged_output, take_rows)
 from backend.engine.request_check import PreparedRequest, prepare_request
 from backend.engine.sampling.sampler import Sampler, make_generator
 from backend.engine.sampling.sampling_params import SamplingParams
@@ -66,7 +69,8 @@ class LLMEngine:
         self._choose_device()
         self._start_ranks(num_blocks, threads)
         self._build_policies(num_blocks)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # an n > 1 request: its sample 0
+        self._block_copies: list[tuple[int, int]] = []  # (source, copy) for the next forward
         self._arrivals = 0
         self.stats = EngineStats()
         self.warm_shapes: set[tuple[str, int]] = set()
@@ -257,7 +261,7 @@ class LLMEngine:
             self.loras.check(params)
         return prepare_request(request_id, prompt, params, self.tokenizer,
                                self.model_config.vocab_size, self.max_model_len, self.kv,
-                               self.guided)
+                               self.guided, self.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> None:
@@ -270,9 +274,9 @@ class LLMEngine:
             request_id=req.request_id, token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=self._arrivals,
             generator=make_generator(p.seed),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                p.skip_special_tokens) if self.tokenizer is not None else None)
+            detokenizer=self._detokenizer(req.prompt_token_ids, p))
+        if p.n > 1:
+            seq.group = SampleGroup(seq.request_id, p.n, [seq])
         self.loras.bind(seq)
         self._arrivals += 1
         self.requests[seq.request_id] = seq
@@ -281,11 +285,20 @@ class LLMEngine:
             seq.guided = req.guided
             self._grammar_waits.append(seq)
 
+    def _detokenizer(self, prompt_ids: list[int], p: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop,
+                                      p.include_stop_str_in_output, p.skip_special_tokens)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request (every sample of an n > 1 one); its final 'abort' output."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
+        for s in seq.group.live() if seq.group is not None else (seq,):
+            self.scheduler.finish(s)
+            s.finish_reason = s.finish_reason or "abort"
         seq.finish_reason = "abort"
         return output_for(seq, "", [])
 
@@ -322,6 +335,12 @@ class LLMEngine:
                              return_when=FIRST_COMPLETED)
             return outputs
         inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
+        if self._block_copies:  # forked in an earlier step: copied before this step writes
+            inputs.block_copies = np.asarray(self._block_copies, dtype=np.int64)
+            self._block_copies = []
+        logits_rows = None
+        if any(s.group is not None and not s.group.forked for s in sampling):
+            sampling, logits_rows = self._fork(sampling)
         rows = [r for seq in sampling for r in (
             self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
         inputs.argmax_only = self._screens_greedy and self.sampler.argmax_only(rows)
@@ -330,6 +349,8 @@ class LLMEngine:
             self.warm_shapes.add(inputs.shape_key)
         comm0 = self._collective_seconds()
         logits = self.run_model(inputs)
+        if logits_rows is not None:  # forked samples draw from their prompt's logits row
+            logits = take_rows(logits, logits_rows)
         t1 = time.perf_counter()
         comm_s = self._collective_seconds() - comm0
         for seq, n in sched.scheduled:
@@ -341,11 +362,21 @@ class LLMEngine:
         if sampling:
             sampled = self.sampler(logits, rows)
             i = 0
+            groups: dict[SampleGroup, dict[int, RequestOutput]] = {}
+            failed: set[SampleGroup | None] = set()
             for seq in sampling:  # a verified sequence owns 1 + drafts consecutive rows
                 n = 1 + len(seq.draft_token_ids)
-                outputs.append(self._sampled_output(seq, sampled, i, n))
-                appended += len(outputs[-1].token_ids)
+                if seq.status is not Status.FINISHED:  # else a sample whose request failed
+                    out = self._sampled_output(seq, sampled, i, n)
+                    appended += len(out.token_ids)
+                    if seq.group is None or out.finish_reason == "error":
+                        outputs.append(out)  # an n > 1 request that failed: this ends it
+                        failed.add(seq.group)
+                    else:
+                        groups.setdefault(seq.group, {})[seq.index] = out
                 i += n
+            outputs += [merged_output(g, parts) for g, parts in groups.items()
+                        if g not in failed]
         t2 = time.perf_counter()
         self.stats.record_step(sched.num_tokens, appended, t1 - t0, t2 - t1,
                                len(sched.preempted), comm_s)
@@ -367,6 +398,39 @@ class LLMEngine:
             # one as it exits; the collective's can fail first).
             self.group.step_failed = True
             raise
+
+    def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """Fork the parallel-sampling requests whose first token this step samples: the rows
+        to sample (each fork's samples right after it) and the logits row of each."""
+        rows, src, i = [], [], 0
+        for seq in sampling:
+            n = 1 + len(seq.draft_token_ids)
+            rows.append(seq)
+            src.extend(range(i, i + n))
+            if seq.group is not None and not seq.group.forked:
+                children, copies = fork_samples(seq, self._new_sample, self.kv, self.scheduler)
+                self._block_copies += copies
+                rows += children
+                src += [i] * len(children)
+            i += n
+        return rows, src
+
+    def _new_sample(self, parent: Sequence, index: int) -> Sequence:
+        """Sample `index` of parent's request: its prompt, its own generator, detokenizer and
+        grammar matcher (started: the parent's grammar has compiled)."""
+        p, prompt = parent.params, parent.token_ids[:parent.num_prompt_tokens]
+        child = Sequence(
+            request_id=parent.request_id, token_ids=list(prompt),
+            num_prompt_tokens=parent.num_prompt_tokens, params=p, arrival=parent.arrival,
+            generator=make_generator(child_seed(p.seed, index)),
+            detokenizer=self._detokenizer(prompt, p), group=parent.group, index=index,
+            lora_id=parent.lora_id, arrival_time=parent.arrival_time,
+            num_cached_tokens=parent.num_cached_tokens)
+        if parent.guided is not None:
+            child.guided = GuidedState(parent.guided.spec, parent.guided.grammar)
+            error = self.guided.start(child.guided)
+            assert error is None, error  # the same grammar started for the parent
+        return child
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Start the matchers whose grammar compiled; fail, alone, the requests whose did not."""
@@ -417,8 +481,9 @@ class LLMEngine:
             if not update.stopped and seq.detokenizer:
                 delta += seq.detokenizer.flush()
             self.scheduler.finish(seq)
-            del self.requests[seq.request_id]
-            self.stats.finished_requests += 1
+            if seq.group is None or seq.group.done:
+                del self.requests[seq.request_id]
+                self.stats.finished_requests += 1
         return output_for(seq, delta, [token])
 
     def _sampled_output(self, seq: Sequence, sampled, row: int, n: int) -> RequestOutput:

@@ -105,6 +105,8 @@ class ModelRunner:
         argmax_only step's GreedyPicks where the model screens its head."""
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)  # per thread: Triton launches on it
+        if inputs.block_copies is not None:
+            self.copy_blocks(inputs.block_copies)
         if self.decode_graphs is not None and self.decode_graphs.accepts(inputs):
             return self.decode_graphs.run(inputs)
         ids, idx, *rest = self.inputs.to_device(inputs.input_ids, inputs.logits_indices,
@@ -112,6 +114,15 @@ class ModelRunner:
         lora = None if inputs.lora_ids is None else row_groups(inputs.lora_ids, self.device)
         return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx,
                           inputs.argmax_only, lora, inputs.layer_limit)
+
+    def copy_blocks(self, pairs: np.ndarray) -> None:
+        """Copy cache blocks pairs[:, 0] into pairs[:, 1], K and V of every layer (a forked
+        prompt's last partial block: each sample writes its own tokens into its copy)."""
+        src = torch.as_tensor(pairs[:, 0], device=self.device)
+        dst = torch.as_tensor(pairs[:, 1], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     def metadata(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> AttentionMetadata:
         """Attention inputs of a step from its _meta_arrays, already on the device."""

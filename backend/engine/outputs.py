@@ -29,6 +29,9 @@ class RequestOutput:
     metrics: dict | None = None  # on the final output: ttft_s, e2e_s, model_s, collective_s
     # One entry per token in token_ids when params.top_logprobs is set, else None.
     logprobs: list[PositionLogprobs] | None = None
+    # Parallel sampling (n > 1): each sample's update at its index (text and tokens above empty)
+    samples: list["RequestOutput"] | None = None
+    index: int = 0  # the sample this update is of (within `samples`)
 
     @staticmethod
     def merged(parts: list["RequestOutput"]) -> "RequestOutput":
@@ -58,8 +61,21 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None  # per generated token (params.top_logprobs)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why, when finish_reason is "error" (e.g. a grammar that failed)
+    # Parallel sampling (n > 1): the n completions (this object's own text stays empty)
+    samples: list["CompletionOutput"] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list["CompletionOutput"]:
+        """The request's completions: its n samples, or itself (n = 1)."""
+        return self.samples or [self]
 
     def extend(self, out: RequestOutput) -> None:
+        if out.samples is not None:
+            if not self.samples:
+                self.samples = [CompletionOutput(self.request_id, "", [], None,
+                                                 self.num_input_tokens) for _ in out.samples]
+            for mine, part in zip(self.samples, out.samples):
+                mine.extend(part)
         self.text += out.text
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
@@ -76,7 +92,7 @@ class CompletionOutput:
 
 def output_for(seq: "Sequence", text: str, token_ids: list[int]) -> RequestOutput:
     """seq's update carrying `text` and `token_ids` (new since its previous update)."""
-    return RequestOutput(
+    return RequestOutput(index=seq.index,
         request_id=seq.request_id, text=text, token_ids=token_ids,
         finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
         num_input_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,

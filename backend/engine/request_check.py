@@ -57,10 +57,14 @@ def check_lengths(n: int, max_tokens: int, max_model_len: int, kv: KVCacheManage
 
 def prepare_request(request_id: str, prompt: str | list[int], params: SamplingParams | None,
                     tokenizer, vocab_size: int, max_model_len: int, kv: KVCacheManager,
-                    guided: GuidedMasker | None) -> PreparedRequest:
+                    guided: GuidedMasker | None, max_num_seqs: int | None = None
+                    ) -> PreparedRequest:
     """Validate and tokenize; raises ValueError naming the field."""
     params = params or SamplingParams()
     params.validate()
+    if max_num_seqs is not None and params.n > max_num_seqs:
+        raise ValueError(f"n: at most max_num_seqs ({max_num_seqs}) samples run at once, got "
+                         f"{params.n}")
     ids = prompt_ids(prompt, tokenizer, vocab_size)
     check_lengths(len(ids), params.max_tokens, max_model_len, kv)
     if params.stop and tokenizer is None:

@@ -65,6 +65,11 @@ class Scheduler:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a forked sample) joins the running ones."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -114,8 +119,10 @@ class Scheduler:
         if not preempted:
             group_tokens = None
             loras = {s.lora_id for s in self.running if s.lora_id}
+            # a parallel-sampling request not yet forked counts as its n samples
+            occupied = sum(s.slots for s in self.running)
             for seq in list(self.waiting):  # each holds no blocks, has computed nothing
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                if budget <= 0 or occupied + seq.slots > self.max_num_seqs:
                     break
                 if group_tokens is not None and prompt_tokens >= group_tokens:
                     break
@@ -140,6 +147,7 @@ class Scheduler:
                     queries += seq.num_tokens
                     hits += cached
                 seq.status = Status.RUNNING
+                occupied += seq.slots
                 if seq.lora_id:
                     loras.add(seq.lora_id)
                 bisect.insort(self.running, seq, key=lambda s: s.arrival)

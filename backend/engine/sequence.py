@@ -47,6 +47,15 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     spec: object | None = None
     lora_id: int = 0  # the LoRA adapter its rows run with (backend/engine/lora.py); 0: none
+    # parallel sampling (n > 1, parallel_sampling.py): the request's samples and this one's index
+    group: object | None = None
+    index: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Sequences it will run as: n for a parallel-sampling request not yet forked, else 1
+        (the scheduler keeps the running sequences within max_num_seqs)."""
+        return self.group.n if self.group is not None and not self.group.forked else 1
 
     @property
     def cache_salt(self) -> bytes:

@@ -30,6 +30,9 @@ class StepInputs:
     argmax_only: bool = False  # every sampling row takes its argmax only (Sampler.argmax_only)
     lora_ids: np.ndarray | None = None  # [T] each row's LoRA adapter (0: none); None: no row has one
     layer_limit: int | None = None  # warmup only: run the first n decoder layers (None: all)
+    # [k, 2] (source, copy) cache blocks every rank copies before the forward: the last partial
+    # block of a prompt forked into parallel samples (parallel_sampling.py); None: none
+    block_copies: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -49,7 +49,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "structured_outputs": ("structured", ".structured"),
     "guided_decoding": ("structured", ".structured"),
     "beam_width": ("int", ".beam_width"),
-    "n": ("int", ".beam_width"),
+    "n": ("int", "n"),  # parallel sampling: every output then has one element per sample
     "best_of": ("int", ".best_of"),  # older OpenAI frontends forward it (default 1)
     "stream": ("bool", ".stream"),
     "exclude_input_in_output": ("bool", ".exclude_input_in_output"),
@@ -239,10 +239,12 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
             values[FIELDS[k][1]] = (k, convert(k, FIELDS[k][0], v))
     opts = {t[1:]: val for t, (_, val) in values.items() if t.startswith(".")}
     kwargs = {t: val for t, (_, val) in values.items() if not t.startswith(".")}
-    for opt in ("beam_width", "best_of"):
-        if opts.get(opt, 1) != 1:
-            name = values["." + opt][0]
-            raise ValueError(f"{name}: only 1 is supported (no beam search / parallel sampling)")
+    if opts.get("beam_width", 1) != 1:
+        raise ValueError(f"{values['.beam_width'][0]}: only 1 is supported (no beam search; "
+                         "for several samples of a prompt use n)")
+    if opts.get("best_of", 1) != 1:  # vLLM's V1 engine refuses it too
+        raise ValueError(f"{values['.best_of'][0]}: only 1 is supported (as in vLLM's V1 "
+                         "engine); for several samples of a prompt use n")
     _merge_structured(values, kwargs, opts.pop("structured", None))
     returns = {f: bool(opts.get(f"return_{f}")) for f in RETURN_FIELDS}
     if returns["cumulative_logprob"]:

@@ -8,6 +8,11 @@ stream with exclude_input_in_output given as false carries the prompt on its fir
 ci/L0_additional_outputs_vllm test): each is sent only when its return_* flag is true, then on
 every response; a non-final finish_reason is the string "None"; num_input_tokens and
 num_output_tokens are UINT32, num_output_tokens counting the tokens new on that response.
+
+Parallel sampling (n > 1), as vllm_backend lays it out: text_output, finish_reason,
+cumulative_logprob, logprobs and num_output_tokens hold one element per sample, in sample order
+(a sample with nothing new has an empty delta; a sample's finish_reason is "None" until it ends);
+num_input_tokens and num_cached_tokens stay one element (the prompt's).
 """
 from __future__ import annotations
 
@@ -41,6 +46,15 @@ class StreamState:
     pending_logprobs: list = field(default_factory=list)
     reported_output_tokens: int = 0
     sent_text: bool = False  # a response with text went out (the streamed echo goes first)
+    samples: list["SampleStream"] | None = None  # n > 1: each sample's own progress
+
+
+@dataclass
+class SampleStream:
+    """What one sample of an n > 1 request has accumulated and reported."""
+    text: list[str] = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)
+    reported_output_tokens: int = 0
 
 
 def _bytes(s: str) -> np.ndarray:
@@ -77,16 +91,22 @@ def _logprobs_field(state: StreamState) -> dict:
     if not state.req.returns.get("logprobs") or (
             state.requested is not None and "logprobs" not in state.requested):
         return {}
-    if state.req.params.top_logprobs is None:  # no k in sampling_parameters: vLLM sends null
-        return {"logprobs": _bytes("null")}
-    body = [{str(tid): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.decoded_token}
-             for tid, t in pos.as_vllm_dict().items()} for pos in state.pending_logprobs]
-    return {"logprobs": _bytes(json.dumps(body))}
+    return {"logprobs": _bytes(_logprobs_json(state.req, state.pending_logprobs))}
+
+
+def _logprobs_json(req: ParsedRequest, positions: list) -> str:
+    if req.params.top_logprobs is None:  # no k in sampling_parameters: vLLM sends null
+        return "null"
+    return json.dumps([{str(tid): {"logprob": t.logprob, "rank": t.rank,
+                                   "decoded_token": t.decoded_token}
+                        for tid, t in pos.as_vllm_dict().items()} for pos in positions])
 
 
 def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
     """The output tensors to send for `out`, or None when nothing is due (an empty streaming
     delta, or a non-streaming request that has not finished)."""
+    if out.samples is not None:
+        return _sample_tensors(state, out)
     final = out.finished
     if out.logprobs:
         state.pending_logprobs.extend(out.logprobs)
@@ -130,3 +150,52 @@ def mean_itl(state: StreamState) -> float | None:
     if state.first_token_time is None or state.num_output_tokens < 2:
         return None
     return (state.last_token_time - state.first_token_time) / (state.num_output_tokens - 1)
+
+
+def _wanted(state: StreamState, name: str) -> bool:
+    return bool(state.req.returns.get(name)) and (
+        state.requested is None or name in state.requested)
+
+
+def _sample_tensors(state: StreamState, out: RequestOutput) -> dict | None:
+    """tensors_for an n > 1 request: every output one element per sample."""
+    if state.samples is None:
+        state.samples = [SampleStream() for _ in out.samples]
+    final, req = out.finished, state.req
+    for mine, part in zip(state.samples, out.samples):
+        mine.text.append(part.text)
+        mine.pending_logprobs.extend(part.logprobs or [])
+    if not req.stream and not final:
+        return None
+    if req.stream and not final and not any(part.text for part in out.samples):
+        return None
+    echo = not req.chat and (not req.exclude_input_in_output if not req.stream
+                             else req.exclude_input_in_output is False and not state.sent_text)
+    texts = [(req.prompt if echo else "") + "".join(m.text) for m in state.samples]
+    state.sent_text = True
+    for m in state.samples:
+        m.text = []
+    d = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=object)}
+    if _wanted(state, "finish_reason"):
+        d["finish_reason"] = np.array([(p.finish_reason or "None").encode("utf-8")
+                                       if p.finished else b"None" for p in out.samples],
+                                      dtype=object)
+    if _wanted(state, "num_input_tokens"):
+        d["num_input_tokens"] = np.array([out.num_input_tokens], dtype=np.uint32)
+    if _wanted(state, "num_output_tokens"):
+        d["num_output_tokens"] = np.array(
+            [p.num_output_tokens - m.reported_output_tokens
+             for p, m in zip(out.samples, state.samples)], dtype=np.uint32)
+    if _wanted(state, "cumulative_logprob") and out.samples[0].cumulative_logprob is not None:
+        d["cumulative_logprob"] = np.array([p.cumulative_logprob for p in out.samples],
+                                           dtype=np.float32)
+    if _wanted(state, "num_cached_tokens"):
+        d["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.int32)
+    if _wanted(state, "logprobs"):
+        d["logprobs"] = np.array([_logprobs_json(req, m.pending_logprobs).encode("utf-8")
+                                  for m in state.samples], dtype=object)
+    for p, m in zip(out.samples, state.samples):
+        m.pending_logprobs = []
+        m.reported_output_tokens = p.num_output_tokens
+    state.reported_output_tokens = out.num_output_tokens
+    return d

@@ -21,6 +21,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (and vLLM's default max_logprobs)
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    # parallel sampling: n continuations of the prompt, sharing its prefill (at most the
+    # engine's max_num_seqs; backend/engine/parallel_sampling.py)
+    n: int = 1
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1 disables
     top_p: float = 1.0
@@ -72,6 +75,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         _int_in("max_tokens", self.max_tokens, 1, None)
+        _int_in("n", self.n, 1, None)
         _float_in("temperature", self.temperature, 0.0, None)
         if not (_is_int(self.top_k) and self.top_k >= -1):
             raise ValueError(f"top_k: must be an integer >= 0 (0 or -1 disables), got {self.top_k!r}")
