@@ -1,9 +1,13 @@
-"""GGUF -> HF conversion of the embedded default model (backend.model.gguf_import)."""
+"""GGUF -> HF conversion (backend.model.gguf_import): the embedded default model (llama), and
+tiny random checkpoints of the other llama.cpp architectures we import, written as llama.cpp's
+converter writes them (tests/gguf_fixtures.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +15,16 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from backend.model import gguf_import
+from backend import LLM, SamplingParams
+from backend.model import gguf_families, gguf_import
+from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
+from backend.model.loader import load_model
+from backend.model.rope_scaling import rope_frequencies
+from backend.parallel.context import ParallelContext
+from tests.gguf_fixtures import GGUF_ARCH, round_trip_checkpoint, write_gguf, write_metadata_gguf
+from tests.test_model_fidelity import _our_logits
+from tests.tiny_models import hf_model, make_tiny_checkpoint
 from tpllm_kernels.cache_dir import cache_root
 
 pytest.importorskip("gguf")
@@ -95,7 +107,7 @@ def test_tensors_match_transformers_gguf_load(model_dir: Path, hf_gguf_model) ->
         assert float(np.abs(got - want).max(initial=0.0)) <= 1e-6, name
     # q/k must really be un-permuted: the raw GGUF row order differs from HF's.
     q = ours["model.layers.0.self_attn.q_proj.weight"]
-    assert not np.allclose(q, gguf_import._unpermute(q, 9))
+    assert not np.allclose(q, gguf_families.unpermute(q, 9))
 
 
 def test_config_matches_transformers(model_dir: Path, hf_gguf_model) -> None:
@@ -191,5 +203,210 @@ def test_bad_inputs_raise_model_load_error(kind: str, tmp_path: Path) -> None:
         gguf_import.convert_gguf(path, out)
     assert str(path) in str(ei.value)
     if kind == "other_arch":
-        assert "unsupported GGUF architecture 'gpt2'" in str(ei.value)
+        assert ("unsupported GGUF architecture 'gpt2' (supported: llama, qwen3, gemma2, gemma3, "
+                "phi3)") in str(ei.value)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+# --- the other llama.cpp architectures: tiny HF checkpoints, as GGUF, converted back ----------
+
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3")
+CASES = [pytest.param(a, q, id=f"{a}-{'quantized' if q else 'f32'}")
+         for q in (False, True) for a in FAMILIES]
+ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory):
+    """(arch, quantized) -> (a tiny HF checkpoint, the directory convert_gguf makes of its GGUF).
+    Quantized: Q4_1 decoder linears and Q8_0 lm_head in the GGUF (tests/gguf_fixtures.py), the
+    same blocks dequantized in the HF checkpoint."""
+    cache: dict[tuple[str, bool], tuple[Path, Path]] = {}
+
+    def get(arch: str, quantized: bool) -> tuple[Path, Path]:
+        if (arch, quantized) not in cache:
+            root = tmp_path_factory.mktemp(f"{arch}-{'quantized' if quantized else 'f32'}")
+            hf = make_tiny_checkpoint(arch, root / "hf")
+            path = write_gguf(hf, root / f"{arch}.gguf", quantize=quantized)
+            if quantized:  # after writing, so both quantize the same random weights
+                round_trip_checkpoint(hf)
+            cache[(arch, quantized)] = hf, gguf_import.convert_gguf(path, root / "converted")
+        return cache[(arch, quantized)]
+    return get
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 21)]  # 21 > window
+
+
+@pytest.mark.parametrize("arch,quantized", CASES)
+def test_family_weights_are_the_checkpoints(arch: str, quantized: bool, imported) -> None:
+    hf, ours_dir = imported(arch, quantized)
+    ours = load_file(str(ours_dir / "model.safetensors"))
+    ref = load_file(str(hf / "model.safetensors"))
+    assert set(ours) == set(ref)  # tied heads (qwen3, gemma2) have no lm_head in either
+    cfg = json.loads((hf / "config.json").read_text())
+    offset = gguf_families.ARCHS[GGUF_ARCH[cfg["model_type"]]].norm_offset
+    for name, want in ref.items():
+        got = ours[name]
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        if offset and name.endswith("norm.weight"):
+            # Gemma's w is lost in the rounding of the stored w + 1 (one ulp here); what the
+            # model computes with, 1 + w, is not (gguf_families.undo_norm_offset)
+            got, want = got + np.float32(offset), want + np.float32(offset)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), name
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_family_config_reads_as_the_checkpoints(arch: str, imported) -> None:
+    hf, ours_dir = imported(arch, False)
+    ref, ours = ModelConfig.from_dir(hf), ModelConfig.from_dir(ours_dir)
+    # GGUF holds eps as a float32 (1e-5 reads 9.99999974738e-06), what the norms add anyway
+    assert np.float32(ours.rms_norm_eps) == np.float32(ref.rms_norm_eps)
+    # the rope dicts are spelled differently (transformers 5's rope_parameters in the
+    # checkpoint, rope_scaling and rope_local_base_freq from the GGUF); their tables must agree
+    same = dict(rms_norm_eps=ref.rms_norm_eps, rope_scaling=None, local_rope_scaling=None)
+    assert replace(ours, **same) == replace(ref, **same)
+    for local in (False, True) if ref.local_rope_theta is not None else (False,):
+        a, b = (rope_frequencies(c.rotary_dim, c.local_rope_theta if local else c.rope_theta,
+                                 c.local_rope_scaling if local else c.rope_scaling,
+                                 c.max_position_embeddings, c.original_max_position_embeddings)
+                for c in (ours, ref))
+        assert torch.equal(a.inv_freq, b.inv_freq) and a.attention_factor == b.attention_factor
+        assert a.switch_at == b.switch_at and (a.long_inv_freq is None) == (b.long_inv_freq is None)
+        assert a.long_inv_freq is None or torch.equal(a.long_inv_freq, b.long_inv_freq)
+    assert (ours_dir / "tokenizer_config.json").is_file()  # built from the GGUF's vocabulary
+
+
+@pytest.mark.parametrize("arch,quantized", CASES)
+def test_family_logits_match_the_checkpoints(arch: str, quantized: bool, imported) -> None:
+    hf, ours_dir = imported(arch, quantized)
+    ids = _prompts()[1] + _prompts()[0] + [7, 9, 11, 13]  # 30 tokens, past the window of 8
+    chunks = [7, 10, 5] + [1] * 8  # prefill chunks, then decode steps
+    torch.testing.assert_close(_our_logits(ours_dir, ids, chunks), _our_logits(hf, ids, chunks),
+                               rtol=0, atol=1e-5)
+    with torch.no_grad():  # config.json as transformers reads it
+        x = torch.tensor([ids])
+        torch.testing.assert_close(hf_model(ours_dir)(x).logits, hf_model(hf)(x).logits,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,quantized", CASES)
+def test_family_greedy_tokens_match_the_checkpoints(arch: str, quantized: bool, imported) -> None:
+    hf, ours_dir = imported(arch, quantized)
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    tokens = []
+    for model_dir in (ours_dir, hf):
+        with LLM(model=str(model_dir), **ENGINE) as llm:
+            tokens.append([o.token_ids for o in llm.generate(prompts, [sp] * len(prompts))])
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_quantized_family_weights_get_exact_block_copies(arch: str, imported) -> None:
+    from tpllm_kernels import cpu_ops
+    if not cpu_ops.AVAILABLE or cpu_ops.keep_block_copy is None:
+        pytest.skip("no CPU kernels with block copies here")
+    hf, ours_dir = imported(arch, True)
+
+    def copies(model_dir: Path) -> dict[str, str | None]:
+        cfg = ModelConfig.from_dir(model_dir)
+        model = load_model(model_dir, cfg, ParallelContext(), torch.float32, "cpu")
+        model.keep_block_copies()
+        return {n: getattr(p, "block_copy", (None,))[0]
+                for n, p in model.named_parameters(remove_duplicate=False)
+                if n.endswith(("proj.weight", "lm_head.weight"))}
+
+    ours = copies(ours_dir)
+    assert ours == copies(hf)
+    cfg = ModelConfig.from_dir(ours_dir)
+    # every linear quantized in the GGUF reads from its copy (fused q/k/v and gate/up included):
+    # all but Qwen3's o_proj (144 wide: no whole blocks, float32) and a tied (float32) head
+    for name, kind in ours.items():
+        if name == "lm_head.weight":
+            want = None if cfg.tie_word_embeddings else "q8"
+        else:
+            ragged = "o_proj" in name and cfg.num_heads * cfg.head_dim % 32
+            want = None if ragged else "q4"
+        assert kind == want, name
+    assert list(ours.values()).count("q4") >= 3 * cfg.num_layers
+
+
+def test_gemma_norm_offset_is_undone_exactly_where_it_can_be() -> None:
+    """Gemma's stored g = w + 1 gives back a w whose 1 + w is g bit for bit for every g >= 0.5;
+    below, the nearest such 1 + w (within 2**-22 for g > -4)."""
+    undo = gguf_families.undo_norm_offset
+    rng = np.random.default_rng(0)
+    g = np.concatenate([rng.uniform(0.5, 8, 1 << 20), [0.5, 1.0, 2.0, np.nextafter(0.5, 1)]])
+    g = g.astype(np.float32)
+    assert np.array_equal(undo(g, 1.0) + np.float32(1), g)
+    low = rng.uniform(-4, 0.5, 1 << 20).astype(np.float32)
+    err = np.abs((undo(low, 1.0) + np.float32(1)).astype(np.float64) - low)
+    assert 0 < err.max() <= 2.0 ** -22
+
+
+@pytest.mark.parametrize("arch,layers,extra,want", [
+    # llama.cpp's rules where the GGUF is silent: queries scaled by head_dim (hidden / heads for
+    # the 27B models), gemma2's window on every other layer (4096 wide), gemma3's on five of six
+    ("gemma2", 26, {}, dict(scalar=128, period=2, window=4096, caps=(50.0, 30.0))),
+    ("gemma2", 46, {}, dict(scalar=64, period=2, window=4096, caps=(50.0, 30.0))),
+    ("gemma3", 26, {"sliding_window": 512}, dict(scalar=128, period=6, window=512, caps=(0, 0))),
+    ("gemma3", 62, {"sliding_window": 512, "final_logit_softcapping": 30.0},
+     dict(scalar=64, period=6, window=512, caps=(0, 30.0))),
+    # where it says otherwise: attention.scale (an integer's, or not), a per-layer pattern
+    ("gemma3", 4, {"sliding_window": 8, "attention_scale": 100 ** -0.5,
+                   "sliding_window_pattern": [True, False, False, True]},
+     dict(scalar=100, layers=(8, 0, 0, 8), window=8, caps=(0, 0))),
+    ("gemma2", 2, {"sliding_window_pattern": 1, "attention_scale": 0.3},
+     dict(scalar=0.3 ** -2, layers=(0, 0), window=4096, caps=(50.0, 30.0))),
+])
+def test_gemma_config_fills_in_what_llama_cpp_leaves_out(arch: str, layers: int, extra: dict,
+                                                         want: dict, tmp_path: Path) -> None:
+    import gguf
+    path = write_metadata_gguf(tmp_path / "m.gguf", arch, layers, key_length=128, **extra)
+    config, _, _ = gguf_families.build_config(path, gguf.GGUFReader(path))
+    cfg = ModelConfig.from_dict({**config, "vocab_size": 8})
+    assert cfg.head_dim == 128 and cfg.hidden_act == "gelu_tanh"
+    scalar = config["query_pre_attn_scalar"]
+    if isinstance(want["scalar"], int):  # as released configs hold it: exactly
+        assert scalar == want["scalar"] and isinstance(scalar, int)
+    assert math.isclose(scalar, want["scalar"], rel_tol=1e-6)
+    assert cfg.attention_scale == float(scalar) ** -0.5
+    windows = want.get("layers") or tuple(
+        0 if i % want["period"] == want["period"] - 1 else want["window"] for i in range(layers))
+    assert cfg.layer_windows == windows
+    assert (cfg.attn_softcap, cfg.final_softcap) == want["caps"]
+    if arch == "gemma3":  # local layers: llama.cpp's base, unscaled
+        assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (10000.0, None)
+
+
+@pytest.mark.parametrize("attn_factor,written", [
+    (math.sqrt(1 + math.log(4) / math.log(1024)), False),  # longrope's: transformers' own
+    (0.1 * math.log(4) + 1, True),  # the converter's yarn formula: kept
+])
+def test_phi3_longrope_config(attn_factor: float, written: bool, tmp_path: Path) -> None:
+    import gguf
+    factors = {"rope_factors_long.weight": np.linspace(1, 4, 24, dtype=np.float32),
+               "rope_factors_short.weight": np.linspace(1, 1.5, 24, dtype=np.float32)}
+    path = write_metadata_gguf(tmp_path / "m.gguf", "phi3", 2, tensors=factors,
+                               rope_dimension_count=48, rope_scaling_orig_ctx_len=1024,
+                               rope_scaling_attn_factors=attn_factor)
+    config, _, _ = gguf_families.build_config(path, gguf.GGUFReader(path))
+    cfg = ModelConfig.from_dict({**config, "vocab_size": 8})
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.original_max_position_embeddings) == (64, 48, 1024)
+    scaling = cfg.rope_scaling
+    assert scaling["rope_type"] == "longrope" and ("attention_factor" in scaling) == written
+    assert np.array_equal(np.float32(scaling["long_factor"]), factors["rope_factors_long.weight"])
+    freqs = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, scaling, cfg.max_position_embeddings,
+                             cfg.original_max_position_embeddings)
+    assert np.float32(freqs.attention_factor) == np.float32(attn_factor)
+
+
+def test_unsupported_rope_scaling_names_the_supported(tmp_path: Path) -> None:
+    import gguf
+    path = write_metadata_gguf(tmp_path / "m.gguf", "qwen3", 2,
+                               rope_scaling_type=gguf.RopeScalingType.YARN)
+    with pytest.raises(ModelLoadError, match=r"rope scaling 'yarn' for qwen3 \(supported: linear\)"):
+        gguf_families.build_config(path, gguf.GGUFReader(path))

