@@ -18,6 +18,10 @@
 # (`--backend vllm`: our model speaks the vLLM backend's request contract; /opt/tp-llm/model is
 # the served model's directory, its tokenizer included; the frontend runs tritonserver in its own
 # process, so the ENV below replaces what backend.serve would set for the Python-backend stub.)
+# That image's /models/llm/config.pbtxt says `backend: "vllm"`, served by our model installed as
+# the Python-based backend /opt/tritonserver/backends/vllm/model.py: the frontend allows logprobs
+# only for models whose config names that backend. Build on a plain *-py3 image, never on
+# NVIDIA's *-vllm-python-py3 ones: their real vLLM backend is in that place (the build stops).
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${TRITON_IMAGE}
 
@@ -47,6 +51,15 @@ RUN if [ "$OPENAI_FRONTEND" = "1" ]; then \
       python3 -m pip install /opt/tritonserver/python/triton*.whl \
       && python3 -m pip install -r /opt/tritonserver/python/openai/requirements.txt; fi
 COPY model_repository /models
+# Our model as the backend named "vllm" too (see the header); the frontend image's model says so.
+RUN if [ -e /opt/tritonserver/backends/vllm ]; then \
+      echo "the base image has a vllm backend (NVIDIA's vLLM): build on a plain *-py3 image" >&2; \
+      exit 1; fi \
+ && mkdir /opt/tritonserver/backends/vllm \
+ && cp backend/triton/python_backends/vllm/model.py /opt/tritonserver/backends/vllm/model.py \
+ && if [ "$OPENAI_FRONTEND" = "1" ]; then \
+      sed -i 's/^backend: "python"$/backend: "vllm"/' /models/llm/config.pbtxt \
+      && grep -qx 'backend: "vllm"' /models/llm/config.pbtxt; fi
 
 EXPOSE 8000 8001 8002
 # The launcher runs /opt/tritonserver/bin/tritonserver (found on PATH) with the image's own

@@ -5,16 +5,19 @@
 
 Finds `tritonserver` (on PATH, as in NVIDIA's container, else the one shipped in the
 nvidia-pytriton wheel), prepares a Python-backend directory whose stub matches the running Python
-(under $TPLLM_CACHE_DIR or ~/.cache/tp-llm, never inside the venv), sets the environment the stub
-needs and runs the server as its child: SIGINT/SIGTERM are forwarded to it and to its
-Python-backend stubs (so in-flight streams end and the models unload cleanly, see
-backend/triton/shutdown.py); the exit status is the server's.
+(under $TPLLM_CACHE_DIR or ~/.cache/tp-llm, never inside the venv), plus vllm/model.py there (a
+model config saying `backend: "vllm"` then serves our model under that name, which Triton's
+OpenAI frontend requires for logprobs), sets the environment the stub needs and runs the server
+as its child: SIGINT/SIGTERM are forwarded to it and to its Python-backend stubs (so in-flight
+streams end and the models unload cleanly, see backend/triton/shutdown.py); the exit status is
+the server's.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +28,10 @@ from pathlib import Path
 from tpllm_kernels.cache_dir import cache_root
 
 STUB = "triton_python_backend_stub"
+# Our model as the Python-based backend "vllm" (Triton loads <backend-directory>/vllm/model.py for
+# a config saying `backend: "vllm"`, with the python/ backend's stub): Triton's OpenAI frontend
+# serves logprobs only to models whose config names that backend.
+VLLM_SHIM = Path(__file__).resolve().parent / "triton" / "python_backends" / "vllm" / "model.py"
 
 
 def _pytriton_dist() -> Path | None:
@@ -61,7 +68,8 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
 
 def prepare_backend_dir(server: Path, dist: Path | None) -> Path | None:
     """A backends/ directory whose python/ holds the backend library and the stub built for this
-    Python. None: use the server's own (a system install whose stub matches, e.g. the container)."""
+    Python, and vllm/ our model as the "vllm" backend. None: use the server's own (a system
+    install whose stub matches, e.g. the container, whose Dockerfile installs vllm/ there)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     if dist is None:
         own = server.parent.parent / "backends" / "python"
@@ -80,7 +88,35 @@ def prepare_backend_dir(server: Path, dist: Path | None) -> Path | None:
     for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
         _copy_if_changed(src / f, out / "python" / f)
     _copy_if_changed(stub, out / "python" / STUB)
+    (out / "vllm").mkdir(exist_ok=True)
+    _copy_if_changed(VLLM_SHIM, out / "vllm" / "model.py")
     return out
+
+
+def models_named_vllm(repo: Path) -> list[str]:
+    """The models of `repo` whose config.pbtxt says `backend: "vllm"`."""
+    return [cfg.parent.name for cfg in sorted(repo.glob("*/config.pbtxt"))
+            if re.search(r'^\s*backend\s*:\s*"vllm"', cfg.read_text(errors="replace"), re.M)]
+
+
+def check_vllm_backend(repo: Path, server: Path, backend_dir: Path | None) -> None:
+    """Exit with the fix when a model says `backend: "vllm"` and the backend directory lacks our
+    vllm/model.py: Triton itself would only fail that model's load with "unable to find backend",
+    or, with NVIDIA's vLLM backend in that place, start vLLM on a config it does not understand."""
+    models = models_named_vllm(repo)
+    if not models:
+        return
+    backends = backend_dir if backend_dir is not None else server.parent.parent / "backends"
+    shim = backends / "vllm" / "model.py"
+    which = (f'model {models[0]} says' if len(models) == 1 else
+             f'models {", ".join(models)} say') + ' backend: "vllm"'
+    if not shim.is_file():
+        sys.exit(f"{which}, but {shim} does not exist: copy {VLLM_SHIM} there (the Dockerfile "
+                 f'does), or set backend: "python"')
+    if "backend.triton.adapter" not in shim.read_text(errors="replace"):
+        sys.exit(f"{which}, but {shim} is another vllm backend than this project's (NVIDIA's "
+                 f"vLLM backend, from a *-vllm-python-py3 image?): replace it with {VLLM_SHIM}, "
+                 f"or build on a plain *-py3 image")
 
 
 def server_env(dist: Path | None) -> dict[str, str]:
@@ -191,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{repo}: model repository not found")
     server, dist = find_tritonserver()
     backend_dir = prepare_backend_dir(server, dist)
+    check_vllm_backend(repo, server, backend_dir)
     env = server_env(dist)
     env["TPLLM_SHUTDOWN_GRACE_SECS"] = str(max(0, args.exit_timeout_secs - 3))
     cmd = build_command(args, server, backend_dir)

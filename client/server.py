@@ -34,8 +34,11 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def make_repo(dest: Path, params: dict[str, str], count: int = 1) -> Path:
-    """A copy of model_repository/ with `params` and the instance count replaced."""
+def make_repo(dest: Path, params: dict[str, str], count: int = 1,
+              backend: str | None = None) -> Path:
+    """A copy of model_repository/ with `params` and the instance count replaced, and the
+    `backend` named (e.g. "vllm": our model as Triton's Python-based backend of that name, which
+    backend.serve provides) when given."""
     shutil.copytree(ROOT / "model_repository", dest,
                     ignore=shutil.ignore_patterns("__pycache__"))
     cfg = dest / "llm" / "config.pbtxt"
@@ -47,6 +50,9 @@ def make_repo(dest: Path, params: dict[str, str], count: int = 1) -> Path:
             text += f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
     text, n = re.subn(r"count: \d+ kind: KIND_CPU", f"count: {count} kind: KIND_CPU", text)
     assert n == 1
+    if backend is not None:
+        text, n = re.subn(r'^backend: "[^"]*"$', f'backend: "{backend}"', text, flags=re.M)
+        assert n == 1
     cfg.write_text(text)
     return dest
 
