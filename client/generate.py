@@ -17,7 +17,8 @@ import uuid
 import numpy as np
 
 # input name -> Triton datatype (see model_repository/llm/config.pbtxt)
-DTYPES = {"text_input": "BYTES", "sampling_parameters": "BYTES", "stop_words": "BYTES",
+DTYPES = {"text_input": "BYTES", "sampling_parameters": "BYTES", "embedding_request": "BYTES",
+          "stop_words": "BYTES",
           "seed": "UINT64", "random_seed": "UINT64"}
 for _n in ("max_tokens", "min_tokens", "min_length", "top_k", "beam_width"):
     DTYPES[_n] = "INT32"

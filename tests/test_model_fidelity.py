@@ -29,7 +29,7 @@ def _our_logits(model_dir, token_ids: list[int], chunks: list[int],
     out = []
     for n in chunks:
         assert kv.allocate(seq, seq.num_computed_tokens + n)
-        inputs, _ = build_step_inputs([(seq, n)], block_size=4)
+        inputs, *_ = build_step_inputs([(seq, n)], block_size=4)
         inputs.logits_indices = np.arange(n)
         out.append(runner.forward(inputs))
         seq.num_computed_tokens += n

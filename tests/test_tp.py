@@ -28,7 +28,7 @@ def _prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     seq = Sequence("probe", list(token_ids), len(token_ids), SamplingParams(), 0)
     assert eng.kv.allocate(seq, len(token_ids))
     try:
-        inputs, _ = build_step_inputs([(seq, len(token_ids))], eng.kv.block_size)
+        inputs, *_ = build_step_inputs([(seq, len(token_ids))], eng.kv.block_size)
         inputs.logits_indices = np.arange(len(token_ids))
         if eng.group is not None:
             eng.group.broadcast(inputs)

@@ -205,3 +205,22 @@ def test_check_prompt_size_rejects_huge_prompts_from_a_prefix():
     check_prompt_size(None, huge, 8192)
     with pytest.raises(ValueError):
         check_prompt_size(_CharTokenizer(), "y" * 100_000, 8192)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.one_of(json_values, st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=8), st.lists(st.integers(-3, 2**40), max_size=3),
+                        json_values)},
+    optional={"pooling_params": st.one_of(json_values, st.fixed_dictionaries(
+        {"dimensions": st.one_of(json_values, st.lists(json_values, max_size=2))}))})))
+def test_embedding_request_parses_or_names_the_field(body):
+    from backend.triton.embedding_request import EmbeddingInput, parse_embedding_request
+    try:
+        got = parse_embedding_request(json.dumps(body))
+    except ValueError as e:
+        assert str(e).startswith("embedding_request"), e
+        return
+    assert isinstance(got, EmbeddingInput)
+    assert isinstance(got.input, (str, list)) and got.input
+    assert got.dimensions is None or (isinstance(got.dimensions, int)
+                                      and not isinstance(got.dimensions, bool))

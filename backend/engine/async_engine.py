@@ -82,6 +82,20 @@ class AsyncEngine:
         self._wake.set()
         return sink
 
+    def add_embedding(self, request_id: str, prompt: str | list[int],
+                      dimensions: int | None = None,
+                      sink: OutputSink | None = None) -> OutputSink:
+        """An embedding request: one final output carrying `embedding`."""
+        if self._stopping:
+            raise EngineUnavailable("the engine is shutting down")
+        if self._refusal is not None:
+            raise EngineUnavailable(self._refusal)
+        prepared = self.engine.prepare_embedding(request_id, prompt, dimensions)
+        sink = sink if sink is not None else RequestStream(request_id)
+        self._commands.put(("add", prepared, sink))
+        self._wake.set()
+        return sink
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
         self._wake.set()

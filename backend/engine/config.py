@@ -59,6 +59,9 @@ class EngineConfig:
     greedy_screening: bool = True
     warmup: bool = True  # run every bucket before ready (off only to measure what it buys)
     seed: int | None = None  # seeds the generator of requests without a seed; None = random
+    # embeddings: "last", "mean" or "cls" overrides the checkpoint's pooling (its
+    # sentence-transformers modules.json; without one: last token); None: the checkpoint's
+    pooling: str | None = None
     device: str = "auto"  # cpu | cuda | cuda:N (TP rank r on cuda:N+r) | auto (cuda if visible)
     cuda_graphs: bool = True  # on CUDA, decode steps replay one captured graph per batch bucket
     # Multi-host TP (docs/parallelism.md, "Beyond one machine"): ranks tp_local_ranks..N-1 run on
@@ -80,6 +83,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.pooling is not None and self.pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling: must be last, mean or cls, got {self.pooling!r}")
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

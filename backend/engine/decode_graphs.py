@@ -63,7 +63,7 @@ class DecodeGraphs:
         """A decode-only step of a bucket's size whose block tables fit the static width, without
         LoRA rows (they run eagerly: a graph would fix the step's adapter groups)."""
         tables = inputs.decode_block_tables
-        return (inputs.lora_ids is None and not inputs.prefills and tables is not None and inputs.num_tokens in self.buckets
+        return (inputs.lora_ids is None and inputs.hidden_rows is None and not inputs.prefills and tables is not None and inputs.num_tokens in self.buckets
                 and tables.shape[0] == inputs.num_tokens and tables.shape[1] <= self.width)
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:

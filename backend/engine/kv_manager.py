@@ -102,8 +102,8 @@ class KVCacheManager:
         """The cached blocks holding seq's longest cached prefix of full blocks. Read-only. The
         last token is never covered: its logits are needed, so it is always computed (and a
         whole cached prompt recomputes its last block instead of writing into a shared one)."""
-        if not self.enable_caching:
-            return []
+        if not self.enable_caching or (seq.embedding is not None and seq.embedding.whole_prompt):
+            return []  # (mean / CLS pooling reads every prompt token's hidden state)
         hits = []
         for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
             block = self._block_of.get(key)

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 
 from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.outputs import CompletionOutput
+from backend.engine.outputs import CompletionOutput, EmbeddingOutput
 from backend.engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -52,6 +52,26 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 results[out.request_id].extend(out)
+        return [results[r.request_id] for r in prepared]
+
+    def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None
+              ) -> list[EmbeddingOutput]:
+        """One embedding per prompt (the checkpoint's pooling: backend/engine/pooling.py), run
+        together in the engine's batches; `dimensions`: the first d values, renormalized."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prepared = [self.engine.prepare_embedding(str(next(self._ids)), p, dimensions)
+                    for p in prompts]
+        results: dict[str, EmbeddingOutput] = {}
+        for req in prepared:
+            self.engine.add_request(req.request_id, req)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"embedding failed: {out.error}")
+                results[out.request_id] = EmbeddingOutput(out.request_id, out.embedding,
+                                                          out.num_input_tokens,
+                                                          out.num_cached_tokens)
         return [results[r.request_id] for r in prepared]
 
     def close(self) -> None:

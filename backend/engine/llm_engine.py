@@ -28,7 +28,8 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
 from backend.engine.parallel_sampling import (SampleGroup, child_seed, fork_samples,
                                               merged_output, take_rows)
-from backend.engine.request_check import PreparedRequest, prepare_request
+from backend.engine.pooling import PoolingConfig
+from backend.engine.request_check import PreparedRequest, prepare_embedding, prepare_request
 from backend.engine.sampling.sampler import Sampler, make_generator
 from backend.engine.sampling.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
@@ -98,6 +99,7 @@ class LLMEngine:
         # model's whole context
         limit = cfg.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.pooling = PoolingConfig.from_dir(self.model_dir, self.config.pooling)
 
     def _size_kv_cache(self) -> int:
         """KV blocks per rank: as configured, else what kv_cache_memory_gb holds."""
@@ -257,11 +259,22 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int],
                         params: SamplingParams | None = None) -> PreparedRequest:
         """Validate and tokenize; raises ValueError naming the field. Safe off the engine thread."""
+        if not self.runner.model.generates:
+            raise ValueError("text_input: this model only embeds (its checkpoint has no "
+                             "lm_head); send an embedding request")
         if params is not None:
             self.loras.check(params)
         return prepare_request(request_id, prompt, params, self.tokenizer,
                                self.model_config.vocab_size, self.max_model_len, self.kv,
                                self.guided, self.config.max_num_seqs)
+
+    def prepare_embedding(self, request_id: str, prompt: str | list[int],
+                          dimensions: int | None = None) -> PreparedRequest:
+        """An embedding request, validated and tokenized (ValueError naming the field); add it
+        with add_request. Safe off the engine thread."""
+        return prepare_embedding(request_id, prompt, dimensions, self.pooling,
+                                 self.model_config.hidden_size, self.tokenizer,
+                                 self.model_config.vocab_size, self.max_model_len, self.kv)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> None:
@@ -277,6 +290,8 @@ class LLMEngine:
             detokenizer=self._detokenizer(req.prompt_token_ids, p))
         if p.n > 1:
             seq.group = SampleGroup(seq.request_id, p.n, [seq])
+        if req.embedding is not None:
+            seq.embedding, seq.detokenizer = req.embedding, None
         self.loras.bind(seq)
         self._arrivals += 1
         self.requests[seq.request_id] = seq
@@ -334,7 +349,8 @@ class LLMEngine:
                 wait_futures([s.guided.grammar for s in self._grammar_waits], timeout=0.05,
                              return_when=FIRST_COMPLETED)
             return outputs
-        inputs, sampling = build_step_inputs(sched.scheduled, self.kv.block_size, self.plan)
+        inputs, sampling, pooled = build_step_inputs(sched.scheduled, self.kv.block_size,
+                                                     self.plan)
         if self._block_copies:  # forked in an earlier step: copied before this step writes
             inputs.block_copies = np.asarray(self._block_copies, dtype=np.int64)
             self._block_copies = []
@@ -348,7 +364,9 @@ class LLMEngine:
             self.cold_path.record("new_shape", str(inputs.shape_key))
             self.warm_shapes.add(inputs.shape_key)
         comm0 = self._collective_seconds()
-        logits = self.run_model(inputs)
+        logits, hidden = self.run_model(inputs), None
+        if inputs.hidden_rows is not None:
+            logits, hidden = logits
         if logits_rows is not None:  # forked samples draw from their prompt's logits row
             logits = take_rows(logits, logits_rows)
         t1 = time.perf_counter()
@@ -358,6 +376,8 @@ class LLMEngine:
             self.kv.computed(seq)  # their K/V are written now: others may share them
             seq.model_seconds += t1 - t0
             seq.collective_seconds += comm_s
+        if pooled:
+            outputs += self._pool(pooled, hidden)
         appended = 0
         if sampling:
             sampled = self.sampler(logits, rows)
@@ -398,6 +418,25 @@ class LLMEngine:
             # one as it exits; the collective's can fail first).
             self.group.step_failed = True
             raise
+
+    def _pool(self, pooled: list[tuple[Sequence, int, int]], hidden: torch.Tensor | None
+              ) -> list[RequestOutput]:
+        """Hand the embedding requests their hidden rows; finish those whose prompt is done."""
+        outputs, row = [], 0
+        for seq, first, k in pooled:
+            if k:
+                seq.embedding.add(first, hidden[row:row + k])
+                row += k
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.finish_reason = "stop"
+                seq.first_token_time = time.perf_counter()
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+                self.stats.finished_requests += 1
+                out = output_for(seq, "", [])
+                out.embedding = seq.embedding.result()
+                outputs.append(out)
+        return outputs
 
     def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Fork the parallel-sampling requests whose first token this step samples: the rows

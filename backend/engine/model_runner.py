@@ -112,8 +112,10 @@ class ModelRunner:
         ids, idx, *rest = self.inputs.to_device(inputs.input_ids, inputs.logits_indices,
                                                 *_meta_arrays(inputs))
         lora = None if inputs.lora_ids is None else row_groups(inputs.lora_ids, self.device)
+        hidden = None if inputs.hidden_rows is None else torch.as_tensor(
+            inputs.hidden_rows, device=self.device)
         return self.model(ids, self.metadata(inputs, rest), self.kv_caches, idx,
-                          inputs.argmax_only, lora, inputs.layer_limit)
+                          inputs.argmax_only, lora, inputs.layer_limit, hidden)
 
     def copy_blocks(self, pairs: np.ndarray) -> None:
         """Copy cache blocks pairs[:, 0] into pairs[:, 1], K and V of every layer (a forked

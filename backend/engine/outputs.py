@@ -32,6 +32,7 @@ class RequestOutput:
     # Parallel sampling (n > 1): each sample's update at its index (text and tokens above empty)
     samples: list["RequestOutput"] | None = None
     index: int = 0  # the sample this update is of (within `samples`)
+    embedding: list[float] | None = None  # an embedding request's vector (its one output)
 
     @staticmethod
     def merged(parts: list["RequestOutput"]) -> "RequestOutput":
@@ -88,6 +89,15 @@ class CompletionOutput:
             self.stop_reason = out.stop_reason
             self.error = out.error
             self.metrics.update(out.metrics or {})
+
+
+@dataclass
+class EmbeddingOutput:
+    """A finished embedding request, as the offline LLM.embed returns it."""
+    request_id: str
+    embedding: list[float]
+    num_input_tokens: int
+    num_cached_tokens: int = 0
 
 
 def output_for(seq: "Sequence", text: str, token_ids: list[int]) -> RequestOutput:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend.engine.pooling import EmbeddingState, PoolingConfig, check_dimensions
 from backend.engine.sampling.guided import GuidedMasker, GuidedState
 from backend.engine.kv_manager import KVCacheManager
 from backend.engine.sampling.sampling_params import SamplingParams
@@ -19,25 +20,27 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     guided: GuidedState | None = None  # its grammar compiles from prepare_request on
+    embedding: EmbeddingState | None = None  # an embedding request: pooled, never sampled
 
 
-def prompt_ids(prompt: str | list[int], tokenizer, vocab_size: int) -> list[int]:
+def prompt_ids(prompt: str | list[int], tokenizer, vocab_size: int,
+               field: str = "text_input") -> list[int]:
     """The prompt's token ids: a string tokenized, a list of ids checked against the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("text_input: the prompt is empty")
+            raise ValueError(f"{field}: the prompt is empty")
         if tokenizer is None:
-            raise ValueError("text_input: this model has no tokenizer; pass token ids")
+            raise ValueError(f"{field}: this model has no tokenizer; pass token ids")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:
-        raise ValueError("text_input: must be a string or a list of token ids")
+        raise ValueError(f"{field}: must be a string or a list of token ids")
     if not ids:
-        raise ValueError("text_input: the prompt is empty")
+        raise ValueError(f"{field}: the prompt is empty")
     if any(t < 0 or t >= vocab_size for t in ids):
-        raise ValueError(f"text_input: token ids must be in [0, {vocab_size})")
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size})")
     return ids
 
 
@@ -74,3 +77,20 @@ def prepare_request(request_id: str, prompt: str | list[int], params: SamplingPa
         raise ValueError(f"{spec.field}: structured output needs a tokenizer; this model has none")
     return PreparedRequest(request_id, ids, params,
                            guided.state_for(spec) if spec is not None else None)
+
+
+def prepare_embedding(request_id: str, prompt: str | list[int], dimensions: int | None,
+                      pooling: PoolingConfig, hidden_size: int, tokenizer, vocab_size: int,
+                      max_model_len: int, kv: KVCacheManager) -> PreparedRequest:
+    """An embedding request: the prompt tokenized and checked against the context and the KV
+    cache (it generates nothing), `dimensions` against the hidden size."""
+    check_dimensions(dimensions, hidden_size)
+    ids = prompt_ids(prompt, tokenizer, vocab_size, "input")
+    if len(ids) > max_model_len:
+        raise ValueError(f"input: the text is {len(ids)} tokens; the context holds "
+                         f"{max_model_len}")
+    if kv.most_blocks_held(len(ids)) > kv.num_blocks:
+        raise ValueError(f"input: {len(ids)} tokens exceed the KV cache "
+                         f"({kv.num_blocks * kv.block_size} tokens)")
+    return PreparedRequest(request_id, ids, SamplingParams(max_tokens=1, temperature=0.0),
+                           embedding=EmbeddingState(pooling, dimensions))

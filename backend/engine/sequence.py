@@ -50,6 +50,8 @@ class Sequence:
     # parallel sampling (n > 1, parallel_sampling.py): the request's samples and this one's index
     group: object | None = None
     index: int = 0
+    # an embedding request (backend/engine/pooling.py: EmbeddingState): computed, never sampled
+    embedding: object | None = None
 
     @property
     def slots(self) -> int:

@@ -33,6 +33,8 @@ class StepInputs:
     # [k, 2] (source, copy) cache blocks every rank copies before the forward: the last partial
     # block of a prompt forked into parallel samples (parallel_sampling.py); None: none
     block_copies: np.ndarray | None = None
+    # rows whose final hidden states (after the last norm) embedding requests pool; None: none
+    hidden_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +48,10 @@ class StepInputs:
 
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
-                      plan: BucketPlan | None = None) -> tuple[StepInputs, list[Sequence]]:
+                      plan: BucketPlan | None = None
+                      ) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int, int]]]:
+    """The step's arrays; the sequences that sample (in logits order); and the embedding
+    requests' pooled rows (sequence, first position, rows), in hidden_rows order."""
     # a decode with drafts runs as 1 + drafts decode rows of the same sequence (speculation.py)
     decodes = [(s, n) for s, n in scheduled if n == 1 or s.draft_token_ids]
     prefills = [(s, n) for s, n in scheduled if n > 1 and not s.draft_token_ids]
@@ -62,6 +67,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
     slots: list[int] = []
     logits_idx: list[int] = []
     sampling: list[Sequence] = []
+    pooled: list[tuple[Sequence, int, int]] = []
+    hidden_rows: list[int] = []
     chunks = []
     for seq, n in decodes + prefills:
         start, c0, table, draft = len(ids), seq.num_computed_tokens, seq.block_table, \
@@ -75,7 +82,12 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
             continue
         if n > 1:
             chunks.append((start, n, c0 + n, np.asarray(table, dtype=np.int64)))
-        if c0 + n == seq.num_tokens:
+        if seq.embedding is not None:
+            first, k = seq.embedding.rows(c0, n, seq.num_tokens)
+            if k or c0 + n == seq.num_tokens:  # (its last chunk ends it, rows or not)
+                pooled.append((seq, first, k))
+                hidden_rows.extend(range(start + first - c0, start + first - c0 + k))
+        elif c0 + n == seq.num_tokens:
             sampling.append(seq)
             logits_idx.append(len(ids) - 1)
     _pad(ids, positions, slots, pad_decodes, scratch)  # decode-only: extra rows at the end
@@ -85,6 +97,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
                         np.asarray(slots, dtype=np.int64),
                         np.asarray(logits_idx, dtype=np.int64), prefills=chunks,
                         num_padding=num_padding)
+    if hidden_rows:
+        inputs.hidden_rows = np.asarray(hidden_rows, dtype=np.int64)
     if lora:  # padding rows (at the end) run with none
         lora_ids = np.zeros(len(ids), dtype=np.int64)
         lora_ids[:sum(n for _, n in scheduled)] = np.concatenate(
@@ -100,7 +114,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int,
             lens[i:i + n] = np.arange(s.num_computed_tokens + 1, s.num_computed_tokens + n + 1)
             i += n
         inputs.decode_block_tables, inputs.decode_context_lens = tables, lens
-    return inputs, sampling
+    return inputs, sampling, pooled
 
 
 def _pad(ids: list[int], positions: list[int], slots: list[int], n: int, slot: int) -> None:

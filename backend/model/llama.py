@@ -164,13 +164,15 @@ class LlamaForCausalLM(DirectModule):
         # steps that ran on the fused decode kernels, and those with adapter rows (tests check
         # that a family's and LoRA's decode steps do not fall back to the modular path)
         self.fused_steps = self.fused_lora_steps = 0
+        self.generates = True  # False: an embedding checkpoint without an lm_head (loader.py)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None, argmax_only: bool = False,
-                lora: list | None = None, layer_limit: int | None = None
-                ) -> torch.Tensor | GreedyPicks | None:
+                lora: list | None = None, layer_limit: int | None = None,
+                hidden_rows: torch.Tensor | None = None
+                ) -> torch.Tensor | GreedyPicks | None | tuple:
         """Runs the flat batch; returns float32 logits for the rows in `logits_indices` only
         (ascending: the last token of each sequence that samples this step), or [0, V] when
         none.
@@ -184,7 +186,9 @@ class LlamaForCausalLM(DirectModule):
         layer_limit: run only the first n decoder layers, then the norm and head: warmup's steps
         with prompt chunks (engine/warmup.py). Every layer runs the same shapes through the same
         code, so the first two (the first has no residual to add) meet all a step's shapes at a
-        fraction of its time; a decode-only step, which runs fused, takes none."""
+        fraction of its time; a decode-only step, which runs fused, takes none.
+        hidden_rows: rows whose final hidden states (after the last norm: transformers'
+        last_hidden_state) embedding requests pool; given, the result is (logits, hidden)."""
         if self.lora_rows is not None:
             self.lora_rows.set(lora)
         elif lora:
@@ -205,6 +209,15 @@ class LlamaForCausalLM(DirectModule):
             self.fused_steps += 1
             self.fused_lora_steps += ids is not None
             x, residual = self._fused_layers(x, meta, kv_caches, ids)
+        if hidden_rows is not None:  # copies: the logits' norm below may work in place
+            hidden, _ = self.norm(x.index_select(0, hidden_rows),
+                                  residual.index_select(0, hidden_rows))
+            return self._logits(x, residual, logits_indices, argmax_only), hidden.float()
+        return self._logits(x, residual, logits_indices, argmax_only)
+
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor,
+                logits_indices: torch.Tensor | None, argmax_only: bool
+                ) -> torch.Tensor | GreedyPicks | None:
         if logits_indices is None or logits_indices.numel() == 0:
             return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # Norm and project only the rows that sample: prefill rows need no logits. The indices

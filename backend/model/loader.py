@@ -69,6 +69,12 @@ def load_model(model_dir: Path, cfg: ModelConfig, ctx: ParallelContext, dtype: t
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
     missing = needed - loaded
+    model.generates = ("lm_head.weight", None) not in missing
+    if not model.generates and len({n for n, _ in missing}) == 1:
+        # an embedding checkpoint (a base model: no lm_head): it embeds; generating is refused
+        # per request (its head stays zeros, for warmup's steps only)
+        log.info("%s has no lm_head: serving embeddings only", model_dir)
+        missing = set()
     if missing:
         names = ", ".join(sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5])
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {names}")

@@ -22,7 +22,8 @@ from backend.engine.errors import EngineUnavailable
 from backend.triton.model_config import check_transaction_policy, parse_parameters
 from backend.triton.placement import (compute_placement, count_visible_gpus,
                                       cuda_visible_devices, engine_device)
-from backend.triton.request import ALL_INPUTS, check_prompt_size, parse_request, render_chat
+from backend.triton.request import (ALL_INPUTS, check_prompt_size, embedding_text,
+                                    parse_embedding, parse_request, render_chat)
 from backend.triton.response import StreamState
 from backend.process_exit import exit_now
 from backend.triton.shutdown import grace_seconds, watch_signals
@@ -158,9 +159,16 @@ class TritonLLMModel:
         # add_request is the last call that can fail: once it returns, the engine's outputs
         # answer the request, so nothing below ever sends a second, conflicting answer.
         try:
-            req = parse_request(self._read_inputs(request), request.parameters())
-            prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
-            check_prompt_size(self.tokenizer, prompt, self.llm.max_model_len)
+            inputs = self._read_inputs(request)
+            embedding = embedding_text(inputs)
+            if embedding is not None:
+                req = parse_embedding(inputs, embedding)
+                prompt = req.embedding.input
+            else:
+                req = parse_request(inputs, request.parameters())
+                prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
+            if isinstance(prompt, str):
+                check_prompt_size(self.tokenizer, prompt, self.llm.max_model_len)
             try:
                 requested = frozenset(request.requested_output_names())
             except Exception:
@@ -169,7 +177,11 @@ class TritonLLMModel:
             self.responder.register(state)
             submitted = True
             try:
-                self.engine.add_request(rid, prompt, req.params, sink=self.responder)
+                if req.embedding is not None:
+                    self.engine.add_embedding(rid, prompt, req.embedding.dimensions,
+                                              sink=self.responder)
+                else:
+                    self.engine.add_request(rid, prompt, req.params, sink=self.responder)
             except EngineUnavailable as e:  # shutting down, or a TP group being rebuilt
                 self.responder.unregister(rid)
                 self.responder.send_error(sender, str(e),

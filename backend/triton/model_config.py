@@ -35,6 +35,7 @@ ENGINE_PARAMETERS: dict[str, tuple[type, str]] = {
     "enable_prefix_caching": (bool, "enable_prefix_caching"),
     "speculative_ngram": (int, "speculative_ngram"),
     "speculative_ngram_match": (int, "speculative_ngram_match"),
+    "pooling": (str, "pooling"),  # embeddings: last | mean | cls ("" = the checkpoint's)
     # TP across hosts (docs/parallelism.md): the other hosts run `python -m backend.parallel.node`
     "tp_local_ranks": (int, "tp_local_ranks"),
     "tp_master_addr": (str, "tp_master_addr"),

@@ -14,6 +14,8 @@ import numpy as np
 
 from backend.engine import json_input
 from backend.engine.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from backend.triton.embedding_request import FIELD as EMBEDDING_FIELD
+from backend.triton.embedding_request import EmbeddingInput, parse_embedding_request
 from backend.triton.vllm_compat import STRUCTURED_KEYS, seed_value, structured_fields
 
 # client name -> (kind, target). Targets starting with "." are adapter options, others are
@@ -74,7 +76,7 @@ TENSOR_INPUTS = ("max_tokens", "min_tokens", "min_length", "temperature", "top_k
                  "chat", "beam_width", "return_finish_reason", "return_num_input_tokens",
                  "return_num_output_tokens", "return_cumulative_logprob", "return_logprobs",
                  "return_num_cached_tokens")
-ALL_INPUTS = ("text_input", "sampling_parameters", *TENSOR_INPUTS)
+ALL_INPUTS = ("text_input", "sampling_parameters", "embedding_request", *TENSOR_INPUTS)
 RETURN_FIELDS = ("finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
                  "logprobs", "num_cached_tokens")
 
@@ -91,6 +93,7 @@ class ParsedRequest:
     messages: list | None = None
     # output name -> sent on every response (its return_* flag is true) or never (vLLM backend)
     returns: dict[str, bool] = field(default_factory=dict)
+    embedding: EmbeddingInput | None = None  # an embedding request (embedding_request input)
 
 
 def _one(name: str, v):
@@ -204,6 +207,26 @@ def _sampling_json(v) -> dict:
         if k not in FIELDS:
             raise ValueError(f"sampling_parameters: unknown field {k!r}")
     return obj
+
+
+def embedding_text(inputs: dict) -> str | None:
+    """The embedding_request JSON text, when the request carries a non-empty one."""
+    v = inputs.get(EMBEDDING_FIELD)
+    if v is None:
+        return None
+    text = _text(EMBEDDING_FIELD, _one(EMBEDDING_FIELD, v))
+    return text if text.strip() else None
+
+
+def parse_embedding(inputs: dict, text: str) -> ParsedRequest:
+    """An embedding request (vllm_backend's contract): its input and dimensions, and which of
+    num_input_tokens / num_output_tokens to return; text_input may be absent or empty."""
+    returns = {f: False for f in RETURN_FIELDS}
+    for f in ("num_input_tokens", "num_output_tokens"):
+        v = inputs.get(f"return_{f}")
+        returns[f] = v is not None and convert(f"return_{f}", "bool", v)
+    return ParsedRequest("", SamplingParams(), returns=returns,
+                         embedding=parse_embedding_request(text))
 
 
 def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedRequest:

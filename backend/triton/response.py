@@ -107,6 +107,13 @@ def tensors_for(state: StreamState, out: RequestOutput) -> dict | None:
     delta, or a non-streaming request that has not finished)."""
     if out.samples is not None:
         return _sample_tensors(state, out)
+    if out.embedding is not None:  # one response: the vector as a JSON list of floats
+        d = {"text_output": _bytes(json.dumps(out.embedding))}
+        if _wanted(state, "num_input_tokens"):
+            d["num_input_tokens"] = np.array([out.num_input_tokens], dtype=np.uint32)
+        if _wanted(state, "num_output_tokens"):
+            d["num_output_tokens"] = np.array([0], dtype=np.uint32)
+        return d
     final = out.finished
     if out.logprobs:
         state.pending_logprobs.extend(out.logprobs)

@@ -234,7 +234,7 @@ class NgramSpeculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return seq.guided is None and p.temperature < _GREEDY_EPS
+        return seq.guided is None and p.temperature < _GREEDY_EPS and seq.embedding is None
 
     def propose(self, running: list[Sequence], waiting: int, max_num_seqs: int) -> None:
         """Set draft_token_ids on the decoding sequences that get drafts this step."""
