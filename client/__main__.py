@@ -260,11 +260,22 @@ def _cmd_bench_parallel(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(runner="client.bench.bench_parallel")
 
 
+def _cmd_bench_embed(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("embed", help="embeddings vs transformers' batched forward")
+    _runtime_args(p)
+    p.add_argument("--server", action="store_true", help="also through a tritonserver started here")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (default 3)")
+    p.add_argument("--out", default=None, help="JSON path (default bench_results/embed-<ts>.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random texts")
+    p.set_defaults(runner="client.bench.bench_embed")
+
+
 def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_cmd", required=True,
                              metavar="{offline,tp,coldstart,clients,prefix,structured,decode,"
-                                     "speculation,spec-replay,lora,step-parts,parallel}")
+                                     "speculation,spec-replay,lora,step-parts,parallel,embed}")
     _cmd_bench_offline(bench)
     _cmd_bench_tp(bench)
     _cmd_bench_coldstart(bench)
@@ -277,6 +288,7 @@ def _cmd_bench(sub: argparse._SubParsersAction) -> None:
     _cmd_bench_lora(bench)
     _cmd_bench_step_parts(bench)
     _cmd_bench_parallel(bench)
+    _cmd_bench_embed(bench)
 
 
 def _cmd_serving(sub: argparse._SubParsersAction) -> None:

@@ -260,3 +260,21 @@ def test_coldstart_runs_share_lengths_not_prompts() -> None:
     prompts = [p for run in runs for p, _ in run]
     assert len(set(prompts)) == len(prompts)
     assert make_requests(Tokenizer, 16, 64, 32, 0.5, seed=7, variant=1) == runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", ["parallel", "embed"])
+def test_bench_parallel_and_embed_quick(tmp_path: Path, bench: str) -> None:
+    """bench parallel / embed --quick: both sides do the same work (the same tokens; vectors
+    within 1e-4 of transformers'), the ratio is reported."""
+    out = tmp_path / f"{bench}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client", "bench", bench, "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    if bench == "parallel":
+        assert all(r["n_tokens"] == r["sep_tokens"] == 4 * 8 for r in data["rounds"])
+    else:
+        assert all(r["ours_max_diff"] <= 1e-4 for r in data["rounds"])
+    assert "(target" in proc.stdout
