@@ -72,26 +72,25 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     sink: OutputSink | None = None) -> OutputSink:
-        if self._stopping:
-            raise EngineUnavailable("the engine is shutting down")
-        if self._refusal is not None:
-            raise EngineUnavailable(self._refusal)
-        prepared = self.engine.prepare_request(request_id, prompt, params)
-        sink = sink if sink is not None else RequestStream(request_id)
-        self._commands.put(("add", prepared, sink))
-        self._wake.set()
-        return sink
+        self._check_open()
+        return self._submit(self.engine.prepare_request(request_id, prompt, params), sink)
 
     def add_embedding(self, request_id: str, prompt: str | list[int],
                       dimensions: int | None = None,
                       sink: OutputSink | None = None) -> OutputSink:
         """An embedding request: one final output carrying `embedding`."""
+        self._check_open()
+        return self._submit(self.engine.prepare_embedding(request_id, prompt, dimensions), sink)
+
+    def _check_open(self) -> None:
         if self._stopping:
             raise EngineUnavailable("the engine is shutting down")
         if self._refusal is not None:
             raise EngineUnavailable(self._refusal)
-        prepared = self.engine.prepare_embedding(request_id, prompt, dimensions)
-        sink = sink if sink is not None else RequestStream(request_id)
+
+    def _submit(self, prepared, sink: OutputSink | None) -> OutputSink:
+        """Hand a prepared request to the engine thread; its outputs go to `sink`."""
+        sink = sink if sink is not None else RequestStream(prepared.request_id)
         self._commands.put(("add", prepared, sink))
         self._wake.set()
         return sink

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import base64
 import json
-import queue
 
 import numpy as np
 import pytest
+
+from tests.integration.grpc_stream import stream_request
 
 pytestmark = pytest.mark.integration
 TEXT = "Triton serves embeddings for retrieval."
@@ -19,31 +20,12 @@ TEXT = "Triton serves embeddings for retrieval."
 
 def frontend_embedding(url: str, value, dimensions: int | None = None) -> list:
     """The frontend's three inputs, sent over a gRPC stream; every response (or the error)."""
-    import tritonclient.grpc as grpcclient
     pooling = {"dimensions": [dimensions]} if dimensions is not None else {}
-    inputs = []
-
-    def add(name, arr, dt):
-        inputs.append(grpcclient.InferInput(name, [1], dt))
-        inputs[-1].set_data_from_numpy(arr)
-    add("embedding_request", np.array([json.dumps({"input": value, "pooling_params": pooling})
-                                       .encode()], dtype=np.object_), "BYTES")
-    add("return_num_input_tokens", np.array([True]), "BOOL")
-    add("return_num_output_tokens", np.array([True]), "BOOL")
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    results = []
-    with grpcclient.InferenceServerClient(url) as client:
-        client.start_stream(lambda result, error: q.put((result, error)))
-        client.async_stream_infer("llm", inputs=inputs)
-        while True:
-            result, error = q.get(timeout=300)
-            if error is not None:
-                raise error
-            results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-    return results
+    body = json.dumps({"input": value, "pooling_params": pooling}).encode()
+    return stream_request(url, {
+        "embedding_request": (np.array([body], dtype=np.object_), "BYTES"),
+        "return_num_input_tokens": (np.array([True]), "BOOL"),
+        "return_num_output_tokens": (np.array([True]), "BOOL")})
 
 
 def read_like_the_frontend(results: list) -> tuple[list[float], int, int]:

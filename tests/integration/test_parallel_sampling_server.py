@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import queue
 
 import numpy as np
 import pytest
+
+from tests.integration.grpc_stream import stream_request
 
 pytestmark = pytest.mark.integration
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -21,37 +22,15 @@ def grpc_responses(url: str, stream: bool, sampling: dict, exclude_input: bool |
                    cancel_after: int | None = None) -> list:
     """vllm_backend's client request (text_input, stream, sampling_parameters JSON, return_*
     flags); each response's InferResult, until the final one (or `cancel_after` responses)."""
-    import tritonclient.grpc as grpcclient
-    inputs = []
-
-    def add(name, arr, dt):
-        inputs.append(grpcclient.InferInput(name, [1], dt))
-        inputs[-1].set_data_from_numpy(arr)
-    add("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES")
-    add("stream", np.array([stream], dtype=bool), "BOOL")
-    add("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
-        "BYTES")
+    tensors = {"text_input": (np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+               "stream": (np.array([stream], dtype=bool), "BOOL"),
+               "sampling_parameters": (np.array([json.dumps(sampling).encode()],
+                                                dtype=np.object_), "BYTES")}
     for f in FLAGS:
-        add(f, np.array([True]), "BOOL")
+        tensors[f] = (np.array([True]), "BOOL")
     if exclude_input is not None:
-        add("exclude_input_in_output", np.array([exclude_input]), "BOOL")
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    results = []
-    with grpcclient.InferenceServerClient(url) as client:
-        client.start_stream(lambda result, error: q.put((result, error)))
-        client.async_stream_infer("llm", inputs=inputs)
-        while True:
-            result, error = q.get(timeout=300)
-            if error is not None:
-                raise error
-            results.append(result)
-            if cancel_after is not None and len(results) >= cancel_after:
-                client.stop_stream(cancel_requests=True)
-                return results
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-    return results
+        tensors["exclude_input_in_output"] = (np.array([exclude_input]), "BOOL")
+    return stream_request(url, tensors, cancel_after)
 
 
 def _texts(results: list, n: int) -> list[str]:
