@@ -132,6 +132,8 @@ def test_prompt_buckets_warm_each_layer_kind(tmp_path, monkeypatch):
 
     assert warm_layers((0,) * 6) == warm_layers((8, 0, 8, 0)) == 2
     assert warm_layers((8, 8, 8, 8, 8, 0, 8)) == 6
+    assert warm_layers((0,) * 6, (3, 5)) == 4  # the first MoE layer is the fourth
+    assert warm_layers((0,) * 6, tuple(range(6))) == 2
     model = make_tiny_checkpoint("gemma3", tmp_path, layers=5)
     cfg = tf.AutoConfig.from_pretrained(model)  # one global layer, last: the worst case
     cfg.layer_types = ["sliding_attention"] * 4 + ["full_attention"]

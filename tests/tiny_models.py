@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3")
+# mixture-of-experts families: make_tiny_checkpoint makes them too, but they are not in ARCHS
+# (ARCHS' tests expect the fused C++ decode path, which MoE models do not take: test_moe.py)
+MOE_ARCHS = ("mixtral", "qwen3_moe", "olmoe")
 # a window the tests' prompts (30 tokens and more) outgrow
 TINY_WINDOW = 8
 
@@ -69,6 +72,22 @@ def make_tiny_checkpoint(arch: str, out_dir: Path, vocab_size: int = 512, seed: 
                 "short_factor": [1.0 + 0.1 * i for i in range(half)],
                 "long_factor": [2.0 + 0.3 * i for i in range(half)]})
         cls = tf.Phi3ForCausalLM
+    elif arch == "mixtral":  # top 2 of 5 experts, every layer windowed
+        cfg = tf.MixtralConfig(**common, num_local_experts=5, num_experts_per_tok=2,
+                               sliding_window=TINY_WINDOW)
+        cls = tf.MixtralForCausalLM
+    elif arch == "qwen3_moe":  # top 3 of 8, renormalized; dense MLPs between MoE layers;
+        # experts narrower than the dense MLP (a multiple of 8: transformers' grouped_mm needs
+        # 16-byte strides in bfloat16)
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=24, num_experts=8, num_experts_per_tok=3,
+                                moe_intermediate_size=72, norm_topk_prob=True,
+                                decoder_sparse_step=2, mlp_only_layers=[3])
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "olmoe":  # top 3 of 8, not renormalized; q/k norms over all heads, 3 KV
+        # heads (under TP2 the middle one on both ranks)
+        cfg = tf.OlmoeConfig(**{**common, "num_key_value_heads": 3}, num_experts=8,
+                             num_experts_per_tok=3, norm_topk_prob=False)
+        cls = tf.OlmoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

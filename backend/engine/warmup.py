@@ -28,13 +28,14 @@ log = logging.getLogger("backend.engine")
 WARM_LAYERS = 2
 
 
-def warm_layers(layer_windows: tuple[int, ...]) -> int:
+def warm_layers(layer_windows: tuple[int, ...], moe_layers: tuple[int, ...] = ()) -> int:
     """How many first layers prompt buckets run through: WARM_LAYERS, or through the first
     layer of each kind where layers differ (windowed and global: Gemma 3's first global layer
-    is its sixth), so every kind's attention meets its shapes here."""
+    is its sixth; dense and mixture-of-experts MLPs: Qwen3-MoE's decoder_sparse_step), so every
+    kind's attention and MLP meet their shapes here."""
     first = {}
     for i, window in enumerate(layer_windows):
-        first.setdefault(window > 0, i)
+        first.setdefault((window > 0, i in moe_layers), i)
     return max(WARM_LAYERS, max(first.values(), default=0) + 1)
 
 # Exercise every sampler path: greedy, and random with every filter and penalty on.
@@ -86,7 +87,8 @@ def warm_up(engine) -> float:
     # With LoRA adapters, each step again with their rows, through every layer: an adapter may
     # target any layers, each its own projections, so no first few layers hold every shape.
     lora_steps = engine.loras.warmup_steps(steps)
-    limit = warm_layers(engine.model_config.layer_windows)
+    cfg = engine.model_config
+    limit = warm_layers(cfg.layer_windows, cfg.moe_layers)
     steps = [replace(s, layer_limit=limit) if s.prefills else s for s in steps] + lora_steps
     for i, step in enumerate(steps, 1):
         logits = engine.run_model(step)

@@ -11,7 +11,8 @@ from types import ModuleType
 import torch
 
 from backend.model.config import ModelConfig
-from backend.model.layers import ColumnParallelLinear, DirectModule, RMSNorm, RowParallelLinear
+from backend.model.layers import (ColumnParallelLinear, DirectModule, RMSNorm, RowParallelLinear,
+                                  WholeQKNorm)
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import HeadPartition
 from tpllm_kernels import reference
@@ -33,10 +34,18 @@ class Attention(DirectModule):
         self.softcap = cfg.attn_softcap
         self.local_rope = self.window > 0
         # per-head RMSNorm weights of q and k (Qwen3, Gemma 3), every head's the same [D]
-        self.q_norm = self.k_norm = None
+        self.q_norm = self.k_norm = self.qk_whole = None
         if cfg.family.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ops)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ops)
+        elif cfg.family.qk_norm_whole:  # OLMoE: over all heads, each rank its heads' share
+            q_width, k_width = cfg.num_heads * d, cfg.num_kv_heads * d
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, dtype, ops,
+                                  rows=(part.q_start * d, part.q_end * d))
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, dtype, ops,
+                                  rows=(part.kv_start * d, part.kv_end * d))
+            self.qk_whole = WholeQKNorm(part.num_q, part.num_kv, d, part.owned_kv,
+                                        (q_width, k_width), cfg.rms_norm_eps, ctx)
         kv_rows = (part.kv_start * d, part.kv_end * d)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, {"q": (part.q_start * d, part.q_end * d), "k": kv_rows, "v": kv_rows},
@@ -51,7 +60,9 @@ class Attention(DirectModule):
         t, d, hq, hkv, ops = x.shape[0], self.head_dim, self.num_q, self.num_kv, self.ops
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
+        if self.qk_whole is not None:
+            qkv = self.qk_whole(qkv, self.q_norm.weight, self.k_norm.weight)
+        elif self.q_norm is not None:
             qkv = ops.qk_norm_(qkv, self.q_norm.weight, self.k_norm.weight, hq, hkv,
                                self.q_norm.eps)
         cos, sin = meta.rope(self.local_rope)

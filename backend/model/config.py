@@ -46,6 +46,14 @@ class ModelConfig:
     # windowed layers' own rope (Gemma 3's rope_local_base_freq); None: every layer's is global
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    # mixture of experts (backend/model/moe.py): the layers whose MLP is experts, how many
+    # experts there are, how many each token takes, their MLP's width, and whether the chosen
+    # weights are renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def family(self) -> Family:
@@ -138,6 +146,7 @@ class ModelConfig:
             original_max_position_embeddings=raw.get("original_max_position_embeddings"),
             local_rope_theta=rope.get("local_theta"),
             local_rope_scaling=rope.get("local_scaling"),
+            **(_moe_fields(family, raw, layers) if family.moe else {}),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
@@ -145,6 +154,48 @@ class ModelConfig:
         kv_local = max(HeadPartition.build(self.num_heads, self.num_kv_heads, r, tp_size).num_kv
                        for r in range(tp_size))
         return 2 * self.num_layers * kv_local * self.head_dim * dtype_bytes
+
+
+# router options of MoE families we do not serve -> the values that mean "as we compute": a
+# config.json that sets one otherwise is refused rather than routed differently
+_ROUTER_NEUTRAL = {
+    "scoring_func": ("softmax", None),  # DeepSeek's sigmoid scoring
+    "topk_method": ("greedy", None),  # grouped top-k
+    "n_group": (None, 0, 1), "topk_group": (None, 0, 1),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "n_shared_experts": (None, 0),  # shared experts beside the routed ones
+    "shared_expert_intermediate_size": (None, 0),
+    "num_shared_experts": (None, 0),
+    "clip_qkv": (None,),  # OLMoE's clamp of q, k and v
+}
+
+
+def _moe_fields(family: Family, raw: dict, num_layers: int) -> dict:
+    """ModelConfig's MoE fields from an MoE family's config.json, as transformers reads it;
+    router options we do not compute fail the load."""
+    for key, neutral in _ROUTER_NEUTRAL.items():
+        if raw.get(key) not in neutral:
+            raise ModelLoadError(f"unsupported {key}={raw[key]!r} for a {raw['model_type']} "
+                                 "model: only softmax top-k routing over the routed experts, "
+                                 "without shared experts or clipping, is served")
+    # Mixtral and Qwen3-MoE's config classes save num_local_experts, OLMoE's and released
+    # Qwen3-MoE checkpoints num_experts
+    experts = next((raw[k] for k in ("num_experts", "num_local_experts")
+                    if raw.get(k) is not None), None)
+    if experts is None:
+        raise ModelLoadError("config.json names neither num_experts nor num_local_experts")
+    experts, top_k = int(experts), int(raw["num_experts_per_tok"])
+    if experts > 0 and not 1 <= top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} of {experts} experts")
+    layers = tuple(range(num_layers)) if experts > 0 else ()
+    if family.moe_layer_rule == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or ())
+        layers = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    norm = family.moe_norm_topk
+    return dict(moe_layers=layers, num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw[family.moe_size_key]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if norm is None else norm)
 
 
 def _gemma3_language_model(raw: dict) -> dict:

@@ -13,6 +13,13 @@ Facts are as transformers' modeling files compute them (the reference we test ag
   (`renames`).
 - Qwen3 and Gemma 3 RMS-normalize each query and key head before rotary (`qk_norm`).
 - Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (`fused_checkpoint`).
+- OLMoE RMS-normalizes the whole query and the whole key (all heads at once: `qk_norm_whole`).
+- Mixtral, Qwen3-MoE and OLMoE replace the MLP by experts (`moe`, backend/model/moe.py): a
+  router's softmax (float32) picks each token's top k; Mixtral always renormalizes the k
+  weights (`moe_norm_topk`), the others when config.json's norm_topk_prob says so, and cast
+  them to the model's dtype before weighting (`moe_weights_in_dtype`). Qwen3-MoE keeps dense
+  MLPs at mlp_only_layers and off its decoder_sparse_step (`moe_layer_rule`) and sizes its
+  experts by moe_intermediate_size (`moe_size_key`).
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     # how config.json says which layers are windowed, when it has no layer_types:
     # "all" (every layer, when sliding_window is set), "qwen2" (use_sliding_window, from
-    # max_window_layers on), "gemma2" (even layers), "gemma3" (all but every
-    # sliding_window_pattern-th), "none"
+    # max_window_layers on), "flagged" (every layer, with use_sliding_window: Qwen3-MoE),
+    # "gemma2" (even layers), "gemma3" (all but every sliding_window_pattern-th), "none"
     window_rule: str = "all"
     activation_key: str = "hidden_act"  # which config field names the MLP activation
     default_activation: str = "silu"
@@ -42,6 +49,13 @@ class Family:
     defaults: tuple[tuple[str, object], ...] = ()
     # rope type names the family's config class reads as another type (Phi-3: su, yarn)
     rope_aliases: tuple[tuple[str, str], ...] = ()
+    qk_norm_whole: bool = False  # one RMSNorm over all q heads, one over all k heads (OLMoE)
+    # mixture of experts (backend/model/moe.py); the fields below it matter only where it is set
+    moe: bool = False
+    moe_norm_topk: bool | None = None  # renormalize the top k weights; None: norm_topk_prob
+    moe_weights_in_dtype: bool = True  # the weights cast to the model dtype (else float32)
+    moe_layer_rule: str = "all"  # "all", or "qwen3_moe": decoder_sparse_step, mlp_only_layers
+    moe_size_key: str = "intermediate_size"  # which config field sizes an expert's MLP
 
 
 _GEMMA_RENAMES = (
@@ -83,6 +97,17 @@ _register(Family(("phi3",), fused_checkpoint=True,
                  defaults=(("original_max_position_embeddings", 4096),),
                  rope_aliases=(("su", "longrope"), ("yarn", "longrope"))))
 
+# (no default expert counts: each family's config class reads both num_experts and
+# num_local_experts, and a default under one would hide the other)
+_register(Family(("mixtral",), renames=(("block_sparse_moe", "mlp"),), moe=True,
+                 moe_norm_topk=True, moe_weights_in_dtype=False,
+                 defaults=(("num_experts_per_tok", 2),)))
+_register(Family(("qwen3_moe",), qk_norm=True, window_rule="flagged", moe=True,
+                 moe_layer_rule="qwen3_moe", moe_size_key="moe_intermediate_size",
+                 defaults=(("num_experts_per_tok", 8), ("moe_intermediate_size", 768))))
+_register(Family(("olmoe",), qk_norm_whole=True, window_rule="none", moe=True,
+                 defaults=(("num_experts_per_tok", 8),)))
+
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # MLP activations: silu (SwiGLU) and tanh-approximated GELU (GeGLU), by their config names
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -97,7 +122,7 @@ def layer_windows(family: Family, raw: dict, num_layers: int) -> tuple[int, ...]
     """Each layer's sliding window (0: attends to the whole context), as transformers decides
     it: config.json's layer_types where it has them, else the family's rule."""
     window = raw.get("sliding_window") or 0
-    if family.window_rule == "qwen2" and not raw.get("use_sliding_window", False):
+    if family.window_rule in ("qwen2", "flagged") and not raw.get("use_sliding_window", False):
         window = 0
     types = raw.get("layer_types")
     if types:
@@ -113,7 +138,7 @@ def layer_windows(family: Family, raw: dict, num_layers: int) -> tuple[int, ...]
     if not window or family.window_rule == "none":
         return (0,) * num_layers
     rule = family.window_rule
-    if rule == "all":
+    if rule in ("all", "flagged"):
         return (int(window),) * num_layers
     if rule == "qwen2":
         first = int(raw.get("max_window_layers", num_layers))

@@ -31,7 +31,7 @@ class DirectModule(nn.Module):
         cls.__call__ = cls.forward
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype, shards: ShardMap) -> nn.Parameter:
+def sharded_param(shape: tuple[int, ...], dtype: torch.dtype, shards: ShardMap) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shards = shards  # type: ignore[attr-defined]
     return p
@@ -62,8 +62,8 @@ class ColumnParallelLinear(DirectModule):
             offsets[sid] = (0, s, e, off)
             off += e - s
         self.out_sizes = [e - s for s, e in rows.values()]
-        self.weight = _param((off, in_features), dtype, offsets)
-        self.bias = _param((off,), dtype, offsets) if bias else None
+        self.weight = sharded_param((off, in_features), dtype, offsets)
+        self.bias = sharded_param((off,), dtype, offsets) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.linear(x, self.weight, self.bias)
@@ -80,8 +80,9 @@ class RowParallelLinear(DirectModule):
         super().__init__()
         s, e = in_range
         self.ctx, self.ops = ctx, ops
-        self.weight = _param((out_features, e - s), dtype, {None: (1, s, e, 0)})
-        self.bias = _param((out_features,), dtype, {None: (0, 0, out_features, 0)}) if bias else None
+        self.weight = sharded_param((out_features, e - s), dtype, {None: (1, s, e, 0)})
+        self.bias = sharded_param((out_features,), dtype,
+                                  {None: (0, 0, out_features, 0)}) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = _linear_for(self.ops, x, self.weight, self.ctx.reduce_slot)
@@ -107,8 +108,8 @@ class VocabParallelEmbedding(DirectModule):
         super().__init__()
         self.ctx = ctx
         self.start, self.end = split_range(vocab_size, ctx.rank, ctx.world_size)
-        self.weight = _param((self.end - self.start, hidden), dtype,
-                             {None: (0, self.start, self.end, 0)})
+        self.weight = sharded_param((self.end - self.start, hidden), dtype,
+                                    {None: (0, self.start, self.end, 0)})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
@@ -135,7 +136,7 @@ class ParallelLMHead(DirectModule):
             self.weight = tied.weight
         else:
             s, e = split_range(vocab_size, ctx.rank, ctx.world_size)
-            self.weight = _param((e - s, hidden), dtype, {None: (0, s, e, 0)})
+            self.weight = sharded_param((e - s, hidden), dtype, {None: (0, s, e, 0)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         local = _linear_for(self.ops, x, self.weight, self.ctx.gather_slot)
@@ -193,13 +194,47 @@ class ParallelLMHead(DirectModule):
 
 
 class RMSNorm(DirectModule):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: ModuleType = reference):
+    """rows: this rank's [start, end) of a weight split across ranks (OLMoE's norms of the
+    whole q and k, which each rank applies to its heads' columns: WholeQKNorm); None: all."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: ModuleType = reference,
+                 rows: tuple[int, int] | None = None):
         super().__init__()
         self.eps = eps
         self.ops = ops
-        self.weight = _param((hidden,), dtype, {None: (0, 0, hidden, 0)})
+        s, e = rows if rows is not None else (0, hidden)
+        self.weight = sharded_param((e - s,), dtype, {None: (0, s, e, 0)})
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class WholeQKNorm:
+    """OLMoE's q and k norms: one RMSNorm over every query head's dims, one over every key
+    head's (not per head). Under TP a rank holds some heads' columns: the sums of squares of
+    the whole widths come from an all-reduce of each row's two partial sums ([rows, 2] float32),
+    a KV head held by two ranks (GQA) counted by the first of them only."""
+
+    def __init__(self, num_q: int, num_kv: int, head_dim: int, owned_kv: tuple[int, int],
+                 widths: tuple[int, int], eps: float, ctx: ParallelContext):
+        self.q_cols = num_q * head_dim
+        self.k_cols = num_kv * head_dim
+        # the local key columns whose squares this rank adds (its KV heads no lower rank holds)
+        self.owned = slice(owned_kv[0] * head_dim, owned_kv[1] * head_dim)
+        self.widths = torch.tensor(widths, dtype=torch.float32)  # on the model's device
+        self.eps, self.ctx = eps, ctx
+
+    def __call__(self, qkv: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor) -> torch.Tensor:
+        """Normalizes q's and k's columns of qkv in place, as transformers' RMSNorm: float32
+        statistics, the normalized values cast to the dtype, then times the weight."""
+        q_end, k_end = self.q_cols, self.q_cols + self.k_cols
+        q, k = qkv[:, :q_end].float(), qkv[:, q_end:k_end].float()
+        sums = torch.stack([q.square().sum(-1), k[:, self.owned].square().sum(-1)], dim=1)
+        sums = self.ctx.all_reduce(sums)
+        inv = torch.rsqrt(sums / self.widths + self.eps)
+        qkv[:, :q_end] = q_weight * (q * inv[:, :1]).to(qkv.dtype)
+        qkv[:, q_end:k_end] = k_weight * (k * inv[:, 1:]).to(qkv.dtype)
+        return qkv

@@ -1,7 +1,8 @@
 """The Llama-shaped decoder over a paged KV cache, for every family backend/model/family.py
 describes: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), Gemma 2 and 3 (GeGLU,
 sandwich norms, soft caps, local/global layers), Phi-3 (fused checkpoint tensors, partial
-rotary). What a family changes is read from its ModelConfig, not from model_type here."""
+rotary), Mixtral, Qwen3-MoE and OLMoE (experts: moe.py). What a family changes is read from its
+ModelConfig, not from model_type here."""
 from __future__ import annotations
 
 from itertools import islice
@@ -17,6 +18,7 @@ from backend.model.config import ModelConfig
 from backend.model.greedy_head import GreedyPicks
 from backend.model.layers import (ColumnParallelLinear, DirectModule, ParallelLMHead,
                                   RMSNorm, RowParallelLinear, VocabParallelEmbedding)
+from backend.model.moe import MoE
 from backend.parallel.context import ParallelContext
 from backend.parallel.partition import split_range
 from tpllm_kernels import reference, select_ops
@@ -52,7 +54,7 @@ class DecoderLayer(DirectModule):
         self.self_attn = Attention(cfg, ctx, dtype, ops, index)
         # the pre-MLP norm (Llama's name for it; Gemma's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, ops)
-        self.mlp = MLP(cfg, ctx, dtype, ops)
+        self.mlp = (MoE if index in cfg.moe_layers else MLP)(cfg, ctx, dtype, ops)
         # Gemma's sandwich: norms of the attention's and the MLP's outputs, before the residual
         self.attn_out_norm = self.mlp_out_norm = None
         if cfg.family.sandwich_norms:
@@ -115,6 +117,12 @@ class DecoderLayer(DirectModule):
             mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, lora,
             family=self.family_parts())
 
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused decode kernels compute this layer: they have no experts and
+        normalize q and k per head only."""
+        return isinstance(self.mlp, MLP) and self.self_attn.qk_whole is None
+
     def family_parts(self) -> dict:
         """What this layer adds to Llama's for the fused decode kernels (decode_layer): q/k norm
         weights, the sandwich's out-norm weights, GeGLU, the window, the soft cap, the local
@@ -150,7 +158,9 @@ class LlamaForCausalLM(DirectModule):
                             if cfg.family.embed_scale else None)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # decode-only steps may run each layer as two fused kernel calls (DecoderLayer.forward_decode)
-        self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False)) and (
+        # where the kernels compute every layer (no experts: else every step runs modular)
+        self.fused_decode = bool(getattr(ops, "FUSED_DECODE", False)) and all(
+            layer.fusable for layer in self.layers) and (
             getattr(ops, "FUSED_FAMILY_PARTS", False)
             or not any(layer.family_parts() for layer in self.layers))
         # ...and with one rank, all layers as one call (ops.decode_stack); bound lazily, per KV cache

@@ -6,7 +6,9 @@ What is served: LoRA on the decoder layers' q/k/v/o and gate/up/down projections
 lora_alpha / r (or lora_alpha / sqrt(r) with use_rslora); Phi-3's fused qkv_proj and
 gate_up_proj adapters are split into those at load (their A is shared, B splits by rows). PEFT features that change the math
 beyond that (DoRA, LoRA biases, per-module rank or alpha patterns, fan_in_fan_out, trained
-copies of other modules) are refused at load rather than served wrong.
+copies of other modules) are refused at load rather than served wrong, and so is every adapter
+of a model with mixture-of-experts layers (backend/model/moe.py: its experts take no adapters,
+and the adapters' slots are attached to every layer's dense MLP).
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig,
         return LoraAdapterError(f"LoRA adapter {name!r} ({path}): {msg}")
 
     path = Path(path)
+    if cfg.moe_layers:
+        raise fail(f"LoRA adapters are not served on mixture-of-experts models ({cfg.model_type} "
+                   f"has experts in {len(cfg.moe_layers)} of its {cfg.num_layers} layers)")
     if not path.is_dir():
         raise fail("no such directory")
     conf = _read_config(path, fail)

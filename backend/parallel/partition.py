@@ -46,6 +46,14 @@ class HeadPartition:
         return [h // self.group - self.kv_start for h in range(self.q_start, self.q_end)]
 
     @property
+    def owned_kv(self) -> tuple[int, int]:
+        """The local KV heads' [start, end) (local indices) that no lower rank also holds: with
+        GQA a KV head may live on two ranks, and a sum over all KV heads must count it once.
+        The lower ranks' query heads end at q_start, so their KV heads end at that head's."""
+        below_end = (self.q_start - 1) // self.group + 1 if self.q_start else 0
+        return max(below_end - self.kv_start, 0), self.num_kv
+
+    @property
     def uniform_groups(self) -> bool:
         """True when local query heads map to local KV heads in equal consecutive groups."""
         idx = self.kv_index_for_q()
