@@ -29,6 +29,15 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
         query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         max_position_embeddings=8192, tie_word_embeddings=True)),
+    # Qwen3-30B-A3B's proportions at half its width and a third of its depth (the MoE issue's
+    # benchmark shape): 32 experts, top 4, every layer sparse; fits a 24 GiB machine twice
+    "qwen3-moe-small": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 }
 
 

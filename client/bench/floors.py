@@ -37,11 +37,16 @@ class ModelCost:
     def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "ModelCost":
         h, hd = cfg.hidden_size, cfg.head_dim
         q, kv, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-        per_layer = (h * (q + 2 * kv) + (q + 2 * kv) * cfg.qkv_bias  # qkv_proj
-                     + q * h + h * cfg.o_bias                        # o_proj
-                     + h * 2 * inter + 2 * inter * cfg.mlp_bias      # gate_up_proj
-                     + inter * h + h * cfg.mlp_bias)                 # down_proj
-        return cls(cfg.num_layers, cfg.num_heads, hd, per_layer * cfg.num_layers,
+        attention = (h * (q + 2 * kv) + (q + 2 * kv) * cfg.qkv_bias  # qkv_proj
+                     + q * h + h * cfg.o_bias)                       # o_proj
+        dense = (h * 2 * inter + 2 * inter * cfg.mlp_bias           # gate_up_proj
+                 + inter * h + h * cfg.mlp_bias)                     # down_proj
+        # a token of a mixture-of-experts layer reads the router and its top-k experts only
+        moe = (cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+               if cfg.moe_layers else 0)
+        layer_params = sum(attention + (moe if i in cfg.moe_layers else dense)
+                           for i in range(cfg.num_layers))
+        return cls(cfg.num_layers, cfg.num_heads, hd, layer_params,
                    cfg.vocab_size * h, torch.empty((), dtype=dtype).element_size(),
                    cfg.num_kv_heads, tuple(cfg.layer_windows))
 
@@ -95,7 +100,7 @@ def decode_linears(model) -> list:
     """Every decoder linear of `model` (a LlamaForCausalLM) in the order a decode step runs
     them: each layer's qkv, o, gate_up, down."""
     return [getattr(getattr(layer, block), name) for layer in model.layers
-            for _, block, name in _PROJECTIONS]
+            for _, block, name in _PROJECTIONS if hasattr(getattr(layer, block), name)]
 
 
 def _weight_read_bytes(weight) -> int:
@@ -110,10 +115,20 @@ def _read_bytes(lin) -> int:
 
 
 def layer_linear_bytes(model) -> dict[str, int]:
-    """_read_bytes of each projection kind (qkv, o, gate_up, down), summed over the layers."""
-    return {kind: sum(_read_bytes(getattr(getattr(layer, block), name))
-                      for layer in model.layers)
-            for kind, block, name in _PROJECTIONS}
+    """_read_bytes of each projection kind (qkv, o, gate_up, down), summed over the layers; a
+    mixture-of-experts layer's gate_up / down: its top-k experts' (what a token reads), its
+    router counted with gate_up."""
+    out = dict.fromkeys((kind for kind, _, _ in _PROJECTIONS), 0)
+    for layer in model.layers:
+        for kind, block, name in _PROJECTIONS:
+            part = getattr(layer, block)
+            if hasattr(part, name):
+                out[kind] += _read_bytes(getattr(part, name))
+            elif hasattr(part, "experts"):  # backend/model/moe.py
+                w = getattr(part.experts, name)
+                out[kind] += part.top_k * w[0].numel() * w.element_size()
+                out[kind] += _nbytes(part.gate.weight) if kind == "gate_up" else 0
+    return out
 
 
 def step_weight_bytes(model) -> dict[str, int]:
