@@ -45,6 +45,8 @@ def _cmd_bench_offline(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
                    help="transformers' dtype (default: the same as --dtype)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of workload (a) (default 3)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests of workload (b), submitted at once (default 64)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/offline-<ts>.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

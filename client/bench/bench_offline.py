@@ -253,7 +253,9 @@ def report(res: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    if getattr(args, "requests", None):  # (b)'s batch (a MoE model's batch-16 throughput)
+        sizes["b"] = (args.requests, *sizes["b"][1:])
     (in_a, out_a), (n_b, in_b, out_b) = sizes["a"], sizes["b"]
     torch.set_num_threads(args.threads)  # the same threads for floors, our engine and HF
     model_dir = str(resolve_model_dir(args.model))
