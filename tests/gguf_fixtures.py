@@ -1,7 +1,14 @@
 """Tiny HF checkpoints (tests/tiny_models.py) written as GGUF files the way llama.cpp's
 convert_hf_to_gguf.py writes them: its tensor names (taken from gguf-py's own TensorNameMap, not
 from the importer under test), its layouts (Gemma's norms as w + 1; Phi-3's qkv_proj and
-gate_up_proj fused as they are, its longrope factors as tensors) and its metadata keys.
+gate_up_proj fused as they are, its longrope factors as tensors; llama's q/k rows permuted, Mixtral
+included; an MoE layer's experts stacked per projection, [experts, rows, cols]) and its metadata
+keys.
+
+The tiny MoE checkpoints are first made into what a llama.cpp GGUF can hold (make_checkpoint):
+Mixtral without its sliding window (llama.cpp's llama graph has none, nor does a released
+Mixtral), Qwen3-MoE with every layer MoE (llama.cpp's qwen3moe has no dense layers: its
+converter cannot even name their tensors).
 
 Two keys the converter does not write for Gemma are added, because the tiny checkpoints'
 values fit none of the rules llama.cpp's loader falls back on: attention.scale
@@ -13,24 +20,79 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tests.tiny_models import gguf_round_trip
+from tests.tiny_models import gguf_round_trip, make_tiny_checkpoint
 
-GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+             "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 BLOCK = 32
+# one expert's projection in a checkpoint: (layer, its experts' prefix, expert, projection)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
+                     r"\.weight")
+# the stacked name the converter maps each projection's experts under (LlamaModel for Mixtral,
+# Qwen2MoeModel / OlmoeModel for the others)
+_STACKED = {"block_sparse_moe": "layers.{layer}.feed_forward.experts.{proj}.weight",
+            "mlp": "model.layers.{layer}.mlp.experts.{proj}.weight"}
+
+
+def make_checkpoint(arch: str, out_dir: Path) -> Path:
+    """make_tiny_checkpoint's checkpoint, as a llama.cpp GGUF can hold it (top of the file)."""
+    out_dir = make_tiny_checkpoint(arch, out_dir)
+    if arch == "mixtral":
+        _edit_config(out_dir, sliding_window=None)
+    elif arch == "qwen3_moe":
+        _all_layers_moe(out_dir)
+    return out_dir
+
+
+def _edit_config(model_dir: Path, **fields) -> dict:
+    path = Path(model_dir) / "config.json"
+    cfg = {**json.loads(path.read_text()), **fields}
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return cfg
+
+
+def _all_layers_moe(model_dir: Path) -> None:
+    """Qwen3-MoE's dense layers (decoder_sparse_step, mlp_only_layers) made MoE: a router and
+    experts drawn as make_tiny_checkpoint draws weights, in place of the dense MLP."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = _edit_config(model_dir, decoder_sparse_step=1, mlp_only_layers=[])
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(path)
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    hidden, size = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(cfg["num_hidden_layers"]):
+        mlp = f"model.layers.{layer}.mlp"
+        if f"{mlp}.gate.weight" in tensors:
+            continue
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{mlp}.{proj}.weight"]
+        tensors[f"{mlp}.gate.weight"] = torch.randn(experts, hidden, generator=gen) * 0.15
+        for e in range(experts):
+            for proj, shape in (("gate_proj", (size, hidden)), ("up_proj", (size, hidden)),
+                                ("down_proj", (hidden, size))):
+                w = torch.randn(*shape, generator=gen) * 0.15
+                tensors[f"{mlp}.experts.{e}.{proj}.weight"] = w
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def quantized_kind(name: str, shape: tuple[int, ...]) -> str | None:
-    """The quantized variant stores what the default model quantizes: decoder linears as Q4_1,
-    an untied lm_head as Q8_0. Rows that are not whole blocks stay float32 (llama.cpp's
-    quantizer falls back the same way: Qwen3's tiny o_proj, 144 wide)."""
+    """The quantized variant stores what the default model quantizes: decoder linears (experts
+    included, Mixtral's w1 / w2 / w3) as Q4_1, an untied lm_head as Q8_0. Rows that are not
+    whole blocks stay float32 (llama.cpp's quantizer falls back the same way: Qwen3's tiny
+    o_proj, 144 wide, Qwen3-MoE's expert down_proj, 72 wide); so do MoE routers (the converter
+    keeps ffn_gate_inp float32)."""
     if shape[-1] % BLOCK:
         return None
-    if ".layers." in name and name.endswith("proj.weight"):
+    if ".layers." in name and name.endswith(("proj.weight", ".w1.weight", ".w2.weight",
+                                              ".w3.weight")):
         return "Q4_1"
     return "Q8_0" if name == "lm_head.weight" else None
 
@@ -61,12 +123,25 @@ def write_gguf(model_dir: Path, path: Path, quantize: bool = False) -> Path:
     _tokenizer(w, cfg)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
     tensors = load_file(Path(model_dir) / "model.safetensors")
+    experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
     for name, t in tensors.items():
         if name == "lm_head.weight" and arch == "gemma2":
             continue  # the converter drops it: Gemma 2's head is the embedding
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1  # the converter folds Gemma's (1 + w) into the weight
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            t = _permute(t, heads)
+        if (m := _EXPERT.fullmatch(name)) is not None:
+            experts.setdefault((int(m[1]), m[2], m[4]), {})[int(m[3])] = t
+            continue
         _add_tensor(w, names.get_name(name, try_suffixes=(".weight",)), name, t, quantize)
+    for (layer, prefix, proj), by_expert in experts.items():
+        # the converter's merge: expert 0's rows first (torch.stack), quantized as one tensor
+        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        merged = _STACKED[prefix].format(layer=layer, proj=proj)
+        one = f"model.layers.{layer}.{prefix}.experts.0.{proj}.weight"  # its quantized_kind
+        _add_tensor(w, names.get_name(merged, try_suffixes=(".weight",)), one, stacked, quantize)
     if arch == "phi3":
         _longrope(w, cfg)
     w.write_header_to_file()
@@ -74,6 +149,13 @@ def write_gguf(model_dir: Path, path: Path, quantize: bool = False) -> Path:
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """LlamaModel.permute: each head's rows from HF's half-split rotary layout to GGML's
+    interleaved pairs."""
+    rows = t.shape[0] // heads // 2
+    return t.reshape(heads, 2, rows, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
 def _add_tensor(w, gguf_name: str | None, name: str, t: torch.Tensor, quantize: bool) -> None:
@@ -100,6 +182,11 @@ def _metadata(w, arch: str, cfg: dict) -> None:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if experts := cfg.get("num_local_experts") or cfg.get("num_experts"):  # TextModel's keys
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":  # Qwen2MoeModel's
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     rope = cfg.get("rope_parameters") or {}
     if arch == "phi3":
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
@@ -108,8 +195,13 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)
         return
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    if cfg.get("head_dim"):  # only where config.json has one (Mixtral's is null)
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "llama":  # LlamaModel's
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim")
+                                   or cfg["hidden_size"] // cfg["num_attention_heads"])
     glob = rope.get("full_attention", rope)
     if arch != "gemma2":  # Gemma 2's converter writes no rope base (llama.cpp: 10000)
         w.add_rope_freq_base(glob["rope_theta"])

@@ -1,5 +1,6 @@
 """GGUF -> HF conversion (backend.model.gguf_import): the embedded default model (llama), and
-tiny random checkpoints of the other llama.cpp architectures we import, written as llama.cpp's
+tiny random checkpoints of the other llama.cpp architectures we import, mixtures of experts
+included (Mixtral as llama.cpp's llama with experts, qwen3moe, olmoe), written as llama.cpp's
 converter writes them (tests/gguf_fixtures.py)."""
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from backend.model.errors import ModelLoadError
 from backend.model.loader import load_model
 from backend.model.rope_scaling import rope_frequencies
 from backend.parallel.context import ParallelContext
-from tests.gguf_fixtures import GGUF_ARCH, round_trip_checkpoint, write_gguf, write_metadata_gguf
+from tests.gguf_fixtures import (GGUF_ARCH, make_checkpoint, round_trip_checkpoint, write_gguf,
+                                 write_metadata_gguf)
 from tests.test_model_fidelity import _our_logits
-from tests.tiny_models import hf_model, make_tiny_checkpoint
+from tests.tiny_models import MOE_ARCHS, hf_model
 from tpllm_kernels.cache_dir import cache_root
 
 pytest.importorskip("gguf")
@@ -204,13 +206,13 @@ def test_bad_inputs_raise_model_load_error(kind: str, tmp_path: Path) -> None:
     assert str(path) in str(ei.value)
     if kind == "other_arch":
         assert ("unsupported GGUF architecture 'gpt2' (supported: llama, qwen3, gemma2, gemma3, "
-                "phi3)") in str(ei.value)
+                "phi3, qwen3moe, olmoe)") in str(ei.value)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
 # --- the other llama.cpp architectures: tiny HF checkpoints, as GGUF, converted back ----------
 
-FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", *MOE_ARCHS)
 CASES = [pytest.param(a, q, id=f"{a}-{'quantized' if q else 'f32'}")
          for q in (False, True) for a in FAMILIES]
 ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
@@ -219,14 +221,14 @@ ENGINE = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory: pytest.TempPathFactory):
     """(arch, quantized) -> (a tiny HF checkpoint, the directory convert_gguf makes of its GGUF).
-    Quantized: Q4_1 decoder linears and Q8_0 lm_head in the GGUF (tests/gguf_fixtures.py), the
-    same blocks dequantized in the HF checkpoint."""
+    Quantized: Q4_1 decoder linears (an MoE layer's stacked experts included) and Q8_0 lm_head in
+    the GGUF (tests/gguf_fixtures.py), the same blocks dequantized in the HF checkpoint."""
     cache: dict[tuple[str, bool], tuple[Path, Path]] = {}
 
     def get(arch: str, quantized: bool) -> tuple[Path, Path]:
         if (arch, quantized) not in cache:
             root = tmp_path_factory.mktemp(f"{arch}-{'quantized' if quantized else 'f32'}")
-            hf = make_tiny_checkpoint(arch, root / "hf")
+            hf = make_checkpoint(arch, root / "hf")
             path = write_gguf(hf, root / f"{arch}.gguf", quantize=quantized)
             if quantized:  # after writing, so both quantize the same random weights
                 round_trip_checkpoint(hf)
@@ -277,6 +279,13 @@ def test_family_config_reads_as_the_checkpoints(arch: str, imported) -> None:
         assert a.switch_at == b.switch_at and (a.long_inv_freq is None) == (b.long_inv_freq is None)
         assert a.long_inv_freq is None or torch.equal(a.long_inv_freq, b.long_inv_freq)
     assert (ours_dir / "tokenizer_config.json").is_file()  # built from the GGUF's vocabulary
+    if arch in MOE_ARCHS:  # compared above too; spelled out, and not vacuous
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "moe_layers")
+        assert [getattr(ours, k) for k in moe] == [getattr(ref, k) for k in moe]
+        assert ref.moe_layers == tuple(range(ref.num_layers)) and ref.num_experts > 1
+        raw = json.loads((ours_dir / "config.json").read_text())
+        assert raw["architectures"] == json.loads((hf / "config.json").read_text())["architectures"]
 
 
 @pytest.mark.parametrize("arch,quantized", CASES)
@@ -323,7 +332,9 @@ def test_quantized_family_weights_get_exact_block_copies(arch: str, imported) ->
     assert ours == copies(hf)
     cfg = ModelConfig.from_dir(ours_dir)
     # every linear quantized in the GGUF reads from its copy (fused q/k/v and gate/up included):
-    # all but Qwen3's o_proj (144 wide: no whole blocks, float32) and a tied (float32) head
+    # all but Qwen3's o_proj (144 wide: no whole blocks, float32) and a tied (float32) head. An
+    # MoE layer's experts are no linears (moe.Experts: stacked parameters, read as float32, the
+    # GGUF's blocks dequantized exactly: test_family_weights_are_the_checkpoints)
     for name, kind in ours.items():
         if name == "lm_head.weight":
             want = None if cfg.tie_word_embeddings else "q8"
@@ -331,7 +342,8 @@ def test_quantized_family_weights_get_exact_block_copies(arch: str, imported) ->
             ragged = "o_proj" in name and cfg.num_heads * cfg.head_dim % 32
             want = None if ragged else "q4"
         assert kind == want, name
-    assert list(ours.values()).count("q4") >= 3 * cfg.num_layers
+    per_layer = 1 if cfg.moe_layers else 3  # MoE: attention only (Qwen3-MoE's o_proj ragged)
+    assert list(ours.values()).count("q4") >= per_layer * cfg.num_layers
 
 
 def test_gemma_norm_offset_is_undone_exactly_where_it_can_be() -> None:
@@ -409,4 +421,60 @@ def test_unsupported_rope_scaling_names_the_supported(tmp_path: Path) -> None:
     path = write_metadata_gguf(tmp_path / "m.gguf", "qwen3", 2,
                                rope_scaling_type=gguf.RopeScalingType.YARN)
     with pytest.raises(ModelLoadError, match=r"rope scaling 'yarn' for qwen3 \(supported: linear\)"):
+        gguf_families.build_config(path, gguf.GGUFReader(path))
+
+
+@pytest.mark.parametrize("experts,want", [(0, "llama"), (8, "mixtral")])
+def test_llama_with_experts_is_mixtral(experts: int, want: str, tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as a llama whose expert_count is above 0."""
+    import gguf
+    extra = {"expert_count": experts, "expert_used_count": 2} if experts else {}
+    path = write_metadata_gguf(tmp_path / "m.gguf", "llama", 2, **extra)
+    config, _, arch = gguf_families.build_config(path, gguf.GGUFReader(path))
+    cfg = ModelConfig.from_dict({**config, "vocab_size": 8})
+    assert (config["model_type"], arch.permute_qk) == (want, True)
+    if experts:
+        assert config["architectures"] == ["MixtralForCausalLM"]
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
+        assert cfg.moe_layers == (0, 1) and cfg.moe_intermediate_size == 128
+        assert cfg.layer_windows == (0, 0)
+    else:
+        assert not cfg.moe_layers and config["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("arch,extra,want", [
+    # llama.cpp's fallback for qwen3moe's expert width: feed_forward_length / top k
+    ("qwen3moe", {}, dict(size=128 // 4, norm=True)),
+    ("qwen3moe", {"expert_feed_forward_length": 48}, dict(size=48, norm=True)),
+    ("olmoe", {}, dict(size=128, norm=False)),
+])
+def test_moe_config_fills_in_what_llama_cpp_leaves_out(arch: str, extra: dict, want: dict,
+                                                       tmp_path: Path) -> None:
+    import gguf
+    path = write_metadata_gguf(tmp_path / "m.gguf", arch, 3, expert_count=16,
+                               expert_used_count=4, **extra)
+    config, _, _ = gguf_families.build_config(path, gguf.GGUFReader(path))
+    cfg = ModelConfig.from_dict({**config, "vocab_size": 8})
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_layers) == (16, 4, (0, 1, 2))
+    assert (cfg.moe_intermediate_size, cfg.norm_topk_prob) == (want["size"], want["norm"])
+
+
+_EXPERTS = {"expert_count": 8, "expert_used_count": 2}
+
+
+@pytest.mark.parametrize("arch,keys,match", [
+    ("qwen3moe", {"expert_used_count": 4}, "1 <= expert_used_count <= expert_count"),
+    ("olmoe", {"expert_count": 4, "expert_used_count": 5}, "1 <= expert_used_count"),
+    ("qwen3moe", {**_EXPERTS, "expert_shared_count": 1}, "shared experts"),
+    ("olmoe", {**_EXPERTS, "expert_gating_func": 2}, "expert_gating_func 2"),
+    ("llama", {**_EXPERTS, "expert_weights_scale": 2.5}, "expert_weights_scale 2.5"),
+    ("olmoe", {**_EXPERTS, "expert_weights_norm": True}, "expert_weights_norm True"),
+])
+def test_moe_router_options_we_do_not_compute_are_refused(arch: str, keys: dict, match: str,
+                                                          tmp_path: Path) -> None:
+    import gguf
+    if "expert_gating_func" in keys:  # GGUFWriter takes the enum
+        keys = {**keys, "expert_gating_func": gguf.ExpertGatingFuncType(keys["expert_gating_func"])}
+    path = write_metadata_gguf(tmp_path / "m.gguf", arch, 2, **keys)
+    with pytest.raises(ModelLoadError, match=match):
         gguf_families.build_config(path, gguf.GGUFReader(path))

@@ -16,6 +16,18 @@ converter leaves out, and so do we, the same way:
 - phi3: q/k/v fused as attn_qkv, gate/up fused as ffn_up (gate rows first); longrope factors as
   the rope_factors_long / rope_factors_short tensors beside rope.scaling.original_context_length
   and rope.scaling.attn_factor; partial rotary as rope.dimension_count < head_dim.
+- Mixture of experts: Mixtral (architecture llama with expert_count > 0: q/k permuted as llama's),
+  qwen3moe (qwen3's per-head q/k norms) and olmoe (q/k norms over all heads: attn_q_norm
+  [heads * head_dim], attn_k_norm [kv heads * head_dim]; no permutation). Every layer is MoE:
+  the router as ffn_gate_inp [experts, hidden] (float32), each projection's experts stacked into
+  one tensor [experts, rows, cols] (ffn_gate_exps, ffn_up_exps, ffn_down_exps), which we write
+  back as the released checkpoints' one tensor per expert (Mixtral's block_sparse_moe.experts.N.
+  w1 / w3 / w2, the others' mlp.experts.N.gate_proj / up_proj / down_proj). expert_count and
+  expert_used_count give the experts and top k; qwen3moe sizes its experts by
+  expert_feed_forward_length (llama.cpp: feed_forward_length / top k where it is missing).
+  Not stored, because llama.cpp's graphs fix them: renormalizing the top k weights (Mixtral and
+  qwen3moe always, olmoe never), the llama graph's lack of a sliding window, qwen3moe's lack of
+  dense layers.
 """
 from __future__ import annotations
 
@@ -42,6 +54,15 @@ _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_LAYER = {**_LLAMA_LAYER, "attn_qkv": "self_attn.qkv_proj"}
+# an MoE layer: attention as llama's, the router instead of the MLP (its experts: _EXPERT_PARTS)
+_ATTN_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if not k.startswith(("ffn_gate", "ffn_up",
+                                                                          "ffn_down"))}
+_MOE_LAYER = {**_ATTN_LAYER, "ffn_gate_inp": "mlp.gate"}
+_MIXTRAL_LAYER = {**_ATTN_LAYER, "ffn_gate_inp": "block_sparse_moe.gate"}
+# blk.N.<part> [experts, rows, cols] -> the projection each expert's slice is
+_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERTS = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # gemma's 27B models, which llama.cpp scales queries by hidden / heads instead of head_dim
@@ -92,6 +113,8 @@ class GgufArch:
     partial_rotary: bool = False  # rope.dimension_count may be below head_dim
     rope_types: tuple[str, ...] = ("none", "linear")  # rope.scaling.type values we read
     config_tensors: tuple[str, ...] = ()  # read into config.json, not weights
+    experts: str = ""  # an MoE layer's experts, as the HF checkpoint prefixes them; "": dense
+    expert_names: tuple[tuple[str, str], ...] = ()  # the family's names of gate/up/down_proj
 
 
 def _gemma(meta: Meta, config: dict) -> None:
@@ -166,6 +189,60 @@ def _phi3(meta: Meta, config: dict) -> None:
     config["original_max_position_embeddings"] = original
 
 
+def _expert_counts(meta: Meta) -> tuple[int, int]:
+    """expert_count and expert_used_count; router options llama.cpp's graphs for these families
+    do not compute (shared experts, sigmoid scoring, scaled weights) fail the conversion: a GGUF
+    that sets them is some other model."""
+    experts, used = int(meta("expert_count", 0)), int(meta("expert_used_count", 0))
+    if experts < 1 or not 1 <= used <= experts:
+        raise ModelLoadError(f"{meta.path}: {used} experts used of {experts}: an MoE model needs "
+                             "1 <= expert_used_count <= expert_count")
+    if int(meta("expert_shared_count", 0)) or int(meta("expert_shared_feed_forward_length", 0)):
+        raise ModelLoadError(f"{meta.path}: shared experts are not supported for {meta.arch}")
+    gating = meta("expert_gating_func", None)
+    if gating not in (None, 0, 1):  # 0: unset, 1: softmax (gguf's ExpertGatingFuncType)
+        raise ModelLoadError(f"{meta.path}: expert_gating_func {gating} is not supported for "
+                             f"{meta.arch} (supported: softmax)")
+    scale = meta("expert_weights_scale", None)
+    if scale not in (None, 0.0, 1.0):
+        raise ModelLoadError(f"{meta.path}: expert_weights_scale {scale} is not supported for "
+                             f"{meta.arch}")
+    return experts, used
+
+
+def _norm_topk(meta: Meta, fixed: bool) -> bool:
+    """llama.cpp's graph for the family renormalizes the top k weights or not, whatever the GGUF
+    says; one that says otherwise is refused rather than run differently from llama.cpp."""
+    stored = meta("expert_weights_norm", None)
+    if stored is not None and bool(stored) != fixed:
+        raise ModelLoadError(f"{meta.path}: expert_weights_norm {bool(stored)} is not supported "
+                             f"for {meta.arch} (llama.cpp: {fixed})")
+    return fixed
+
+
+def _mixtral(meta: Meta, config: dict) -> None:
+    experts, used = _expert_counts(meta)
+    _norm_topk(meta, True)  # Mixtral always renormalizes: config.json has no norm_topk_prob
+    # llama.cpp's llama graph has no sliding window (a released Mixtral has none either)
+    config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+
+
+def _qwen3moe(meta: Meta, config: dict) -> None:
+    experts, used = _expert_counts(meta)
+    size = int(meta("expert_feed_forward_length", 0)) or config["intermediate_size"] // used
+    # llama.cpp's qwen3moe graph: every layer MoE, no sliding window
+    config.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=size,
+                  norm_topk_prob=_norm_topk(meta, True), decoder_sparse_step=1,
+                  mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+
+
+def _olmoe(meta: Meta, config: dict) -> None:
+    experts, used = _expert_counts(meta)
+    # llama.cpp's olmoe graph clips nothing (clip_qkv)
+    config.update(num_experts=experts, num_experts_per_tok=used,
+                  norm_topk_prob=_norm_topk(meta, False), clip_qkv=None)
+
+
 def _decimals(values: np.ndarray) -> list[float]:
     """float32 values as the shortest decimals that are the same float32 (1.1, not
     1.100000023841858): what config.json files hold, and what readers turn back into these."""
@@ -181,7 +258,15 @@ ARCHS: dict[str, GgufArch] = {a.name: a for a in (
              norm_offset=1.0, configure=_gemma),
     GgufArch("phi3", "Phi3ForCausalLM", "phi3", _PHI3_LAYER, configure=_phi3, partial_rotary=True,
              rope_types=("none", "longrope", "su"), config_tensors=_LONGROPE_TENSORS),
+    GgufArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", {**_MOE_LAYER, **_QK_NORMS},
+             configure=_qwen3moe, experts="mlp.experts"),
+    GgufArch("olmoe", "OlmoeForCausalLM", "olmoe", {**_MOE_LAYER, **_QK_NORMS},
+             configure=_olmoe, experts="mlp.experts"),
 )}
+# llama.cpp writes Mixtral as a llama with experts (llama.expert_count > 0)
+MIXTRAL = GgufArch("llama", "MixtralForCausalLM", "mixtral", _MIXTRAL_LAYER, permute_qk=True,
+                   configure=_mixtral, experts="block_sparse_moe.experts",
+                   expert_names=_MIXTRAL_EXPERTS)
 
 
 def build_config(path: Path, reader: Any) -> tuple[dict[str, Any], str | None, GgufArch]:
@@ -192,6 +277,8 @@ def build_config(path: Path, reader: Any) -> tuple[dict[str, Any], str | None, G
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {name!r} "
                              f"(supported: {', '.join(ARCHS)})")
     meta = Meta(reader, path, name)
+    if arch.name == MIXTRAL.name and int(meta("expert_count", 0)) > 0:
+        arch = MIXTRAL
     hidden, n_head = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // n_head))
     config: dict[str, Any] = {
@@ -248,6 +335,26 @@ def hf_tensor_name(arch: GgufArch, name: str, shape: tuple[int, ...], config: di
     if arch.name == "phi3" and parts[2] == "ffn_up" and shape[0] == 2 * config["intermediate_size"]:
         hf = "mlp.gate_up_proj"  # gate's rows, then up's: fused as Phi-3's checkpoints keep it
     return f"model.layers.{int(parts[1])}.{hf}.{suffix}"
+
+
+def hf_tensors(arch: GgufArch, name: str, w: np.ndarray, config: dict
+               ) -> list[tuple[str, np.ndarray]] | None:
+    """GGUF tensor `name` (dequantized, numpy's dim order) as the HF checkpoint holds it, None
+    where unknown: one tensor, or for an MoE layer's stacked experts [experts, rows, cols] one
+    per expert (views into w), which our loader and transformers both read."""
+    hf = hf_tensor_name(arch, name, w.shape, config)
+    if hf is not None:
+        return [(hf, undo_layout(arch, name, w, config))]
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if not arch.experts or len(parts) != 3 or parts[0] != "blk" or w.ndim != 3:
+        return None
+    proj = _EXPERT_PARTS.get(parts[2])
+    if proj is None:
+        return None
+    proj = dict(arch.expert_names).get(proj, proj)
+    prefix = f"model.layers.{int(parts[1])}.{arch.experts}"
+    return [(f"{prefix}.{e}.{proj}.{suffix}", w[e]) for e in range(w.shape[0])]
 
 
 def undo_layout(arch: GgufArch, name: str, w: np.ndarray, config: dict) -> np.ndarray:

