@@ -76,8 +76,10 @@ def _decode_inputs(seed, lens, hq, hkv, d, bs, dtype, nb=None):
     return q, kc, vc, tables, lens, DecodeBatch(tables, lens, int(lens.max()), bs)
 
 
-# (query heads, KV heads, uneven map, head dim, block size): head_dim 64 takes the two-pass SIMD
-# kernel, 128 the portable vector one, 16 and 256 the generic one
+# (query heads, KV heads, uneven map, head dim, block size): in an AVX2 or AVX-512 build every
+# head dim here (a multiple of 16) takes the two-pass SIMD kernel, 64, 128 and 256 unrolled, 16
+# with its chunk count at run time; the portable build runs 64 and 128 on its vector block step,
+# 16 and 256 on the generic one
 DECODE_CASES = [(8, 2, False, 64, 16), (5, 2, True, 64, 5), (9, 3, False, 128, 16),
                 (6, 2, True, 16, 5), (4, 1, False, 256, 16)]
 
@@ -147,6 +149,84 @@ def test_cpu_decode_verify_rows_with_a_window_keep_their_bits(dtype, window):
         assert torch.equal(got[i:i + 1], alone), i
 
 
+# Head dims beyond 64 at every GQA ratio: 128 (Qwen3) and 256 (Gemma 2/3) unrolled in the SIMD
+# kernel, 80 and 48 its run-time chunk count, 40 the portable block step (not a multiple of 16)
+GQA_HEAD_DIMS = [128, 256, 80, 48, 40]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", GQA_HEAD_DIMS)
+@pytest.mark.parametrize("ratio", range(1, 9))
+def test_cpu_decode_attention_head_dims_and_gqa_ratios(dtype, d, ratio):
+    """1 to 8 query heads per KV head (2 KV heads), with and without a window and the soft-cap,
+    in one task per context and split across tasks: the float64 attention."""
+    _impl("cpu")
+    hkv = 2
+    hq = hkv * ratio
+    q, kc, vc, tables, lens, batch = _decode_inputs(d * 10 + ratio, [1, 16, 17, 301, 700], hq,
+                                                    hkv, d, 16, dtype)
+    for window, softcap in ((0, 0.0), (37, 0.0), (300, 5.0), (BIG, 5.0)):
+        want = naive_decode(q, kc, vc, tables, lens, d ** -0.5, None, window, softcap)
+        for splits in (0, 3):
+            got = cpu_ops.decode_attention(q, kc, vc, batch, d ** -0.5, None, splits,
+                                           window=window, softcap=softcap)
+            torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hkv, d", [(5, 2, 128), (7, 3, 256), (4, 1, 256), (8, 1, 256),
+                                        (16, 8, 128), (5, 2, 80)])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_cpu_decode_attention_large_head_dims_skip_and_map(dtype, hq, hkv, d, softcap):
+    """Head dims 128 and 256 (and 80) with an uneven query -> KV head map where hq is no multiple
+    of hkv, Gemma's one KV head, and blocks wholly before the window poisoned with NaN: never
+    read, the output finite and right; a row of context 0 gets zeros."""
+    _impl("cpu")
+    bs, window = 16, 50
+    lens = [700, 333, 20, 0]
+    q, kc, vc, tables, lens_t, batch = _decode_inputs(d + hq, lens, hq, hkv, d, bs, dtype)
+    kvi = _kv_map(hq, hkv, hq % hkv != 0)
+    want = naive_decode(q[:3], kc, vc, tables, lens_t[:3], d ** -0.5, kvi, window, softcap)
+    for b, n in enumerate(lens):
+        first_block = max(0, n - window) // bs
+        kc[tables[b, :first_block]] = float("nan")
+        vc[tables[b, :first_block]] = float("nan")
+    for splits in (0, 1, 3):
+        got = cpu_ops.decode_attention(q, kc, vc, batch, d ** -0.5, kvi, splits, window=window,
+                                       softcap=softcap)
+        torch.testing.assert_close(got[:3].double(), want, **TOL[dtype])
+        assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (8, 1, 256), (6, 2, 80)])
+def test_cpu_decode_verify_rows_of_large_head_dims_keep_their_bits(dtype, hq, hkv, d):
+    """Verify rows (one sequence, lengths one apart) of head dims beyond 64 attend as one task in
+    the SIMD kernel too, with a window and the soft-cap: each row's output is the bits it gets
+    alone, and matches the float64 attention."""
+    _impl("cpu")
+    bs, window = 16, 40
+    g = torch.Generator().manual_seed(d + hq)
+    nb = 80
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(nb, generator=g)[:40]
+    # windows of 40 start at 214..218 (block 13 to 13, the rows across a split boundary) and
+    # 588..595 (block 36 to 37); none below 40 tokens
+    lens = torch.tensor(list(range(254, 259)) + list(range(628, 636)) + [30, 31])
+    tables = table.expand(len(lens), -1).contiguous()
+    q = (torch.randn(len(lens), hq, d, generator=g) * 3).to(dtype)
+    batch = DecodeBatch(tables, lens, int(lens.max()), bs)
+    for w, cap in ((window, 5.0), (0, 0.0)):
+        got = cpu_ops.decode_attention(q, kc, vc, batch, d ** -0.5, window=w, softcap=cap)
+        want = naive_decode(q, kc, vc, tables, lens, d ** -0.5, None, w, cap)
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        for i in range(len(lens)):
+            one = DecodeBatch(tables[i:i + 1], lens[i:i + 1], int(lens[i]), bs)
+            alone = cpu_ops.decode_attention(q[i:i + 1], kc, vc, one, d ** -0.5, window=w,
+                                             softcap=cap)
+            assert torch.equal(got[i:i + 1], alone), (w, i)
+
+
 # (query heads, KV heads, uneven map, head dim, block size): head_dim 64 float32 runs the C++
 # kernel, other head dims the reference (cpu_ops' fallback)
 PREFILL_CASES = [(9, 3, False, 64, 16), (5, 2, True, 64, 5), (4, 4, False, 64, 16),
@@ -195,8 +275,9 @@ def test_prefill_attention_matches_naive(impl, dtype, hq, hkv, uneven, d, bs, to
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_decode_attention_skips_blocks_outside_the_window(softcap, dtype):
     """Blocks wholly before a sequence's window are never read: NaN there leaves the output
-    finite and right, on every decode path (head_dim 64's two-pass kernel, 128's, the generic
-    one; context splits). A row of context 0 (padding) gets zeros."""
+    finite and right, on every decode path (the SIMD two-pass kernel at head_dim 64 and 128 and
+    at 16's run-time chunk count, or the portable build's block steps; context splits). A row
+    of context 0 (padding) gets zeros."""
     _impl("cpu")
     hq, hkv, bs, window = 4, 2, 16, 50
     lens = [700, 333, 20, 0]

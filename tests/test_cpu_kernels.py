@@ -131,6 +131,32 @@ def test_decode_attention_touch_pass_is_a_speed_switch(dtype, monkeypatch):
                                **TOL[dtype])
 
 
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (4, 1, 256), (8, 4, 256), (6, 3, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_touch_pass_is_a_speed_switch_for_any_head_dim(hq, hkv, d, dtype):
+    """The same for other head dims (blocks of about 4 KB to 64 KB: the kernel touches only
+    the small ones): on or off, the same bits, and the reference's result."""
+    ext_mod = cpu_ops._ext
+    g = torch.Generator().manual_seed(d + hq)
+    nb, bs = 120, 16
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([600, 33, 1])
+    tables = torch.randperm(nb, generator=g)[:3 * 38].view(3, 38)
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    batch = DecodeBatch(tables, lens, int(lens.max()), bs)
+    default = ext_mod.attention_touch_pass()
+    try:
+        got = {}
+        for on in (True, False):
+            ext_mod.set_attention_touch_pass(on)
+            got[on] = cpu_ops.decode_attention(q, kc, vc, batch, d ** -0.5)
+    finally:
+        ext_mod.set_attention_touch_pass(default)
+    assert torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True], ref.decode_attention(q, kc, vc, batch, d ** -0.5),
+                               **TOL[dtype])
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32, cpu_ops.SMALL_M])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (100, 9, True), (16, 4099, False),
                                         (64, 1024, False)])

@@ -48,8 +48,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_index: torch.Tensor | None = None, num_splits: int = 0, *,
                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     # The C++ kernel reads the paged cache in place (no gather copy), each block once, and splits
-    # long contexts of short batches across threads; head_dim 64 has its own two-pass kernel
-    # (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches). Gathering the blocks and
+    # long contexts of short batches across threads; every head_dim that is a multiple of 16
+    # runs the two-pass SIMD kernel (csrc/attn_simd.h, AVX2 or AVX-512, float32 or bf16 caches;
+    # 64, 128 and 256 unrolled at compile time). Gathering the blocks and
     # calling SDPA copied every sequence's whole context each layer: about 3x the kernel's time.
     # A sliding window's kernel reads only the blocks the window reaches.
     if q.dtype not in _STORAGE:

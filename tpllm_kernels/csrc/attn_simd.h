@@ -1,10 +1,12 @@
-// The decode attention for head_dim 64 over the paged cache, written once against simd::F16
-// (vec.h: AVX-512, or AVX2 + FMA as two registers per vector), for float32 or bfloat16 caches
-// (bf16 rows widened as they are loaded), and the softmax row the prefill attention shares.
+// The decode attention over the paged cache for any head_dim that is a multiple of 16 (64, 128,
+// 256, ...), written once against simd::F16 (vec.h: AVX-512, or AVX2 + FMA as two registers per
+// vector), for float32 or bfloat16 caches (bf16 rows widened as they are loaded), and the
+// softmax row the prefill attention shares.
 //
 // Why: the portable block step (decode_attention.cpp, block_group_fast) sums each token's score
 // with its own 16-lane horizontal reduction and runs the softmax in scalar code: about twice the
-// time its KV bytes take to stream.
+// time its KV bytes take to stream (head_dim 64); at 128 its register tile spilled on AVX2, and
+// other sizes ran one query head at a time.
 // Here 16 tokens' partial dot products are transposed and summed together (a few shuffles and
 // adds instead of 16 reductions), and max, exp and sum run on whole vectors.
 #pragma once
@@ -72,6 +74,12 @@ namespace simd {
 // Intel CPUs"), so it is switched per CPU vendor at load (cpu_ops.py,
 // set_attention_touch_pass; the same bits either way).
 extern std::atomic<bool> g_attention_touch_pass;
+// ...and only blocks of at most this many bytes (half of a 32 KB L1d). The Zen 4 measurement
+// had 12 KB blocks (9 q / 3 kv heads of 64, float32); a block that does not fit in L1 beside
+// the query heads' data (head_dim 128 x 8 KV heads: 64 KB) is pushed out by its own touch before
+// the heads read it, and on a Zen 3 the touch slowed blocks of 32 KB and more instead (head_dim
+// 64 and 128 with 8 KV heads, timed over one layer's cache and over 28 layers' caches).
+constexpr int64_t kTouchMaxBytes = 16 * 1024;
 
 template <typename T>
 inline void touch_lines(const T* p, int64_t n) {
@@ -167,41 +175,123 @@ inline void softcap_row(float* s, int64_t n, float cap) {
   for (int64_t k = 0; k < n; k += 16) store(s + k, softcap(load(s + k), cap, inv));
 }
 
-// The scaled scores of query q (64 floats) against 16 key rows (kb, `row` elements apart, float
-// or bf16 bits; rows from nc on repeat row nc - 1: the caller masks them): lane j is token j's
-// score.
-template <typename T>
-inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scale) {
-  const F16 q0 = load(q), q1 = load(q + 16), q2 = load(q + 32), q3 = load(q + 48);
+// One hardware register (Nat) of bfloat16 bits widened to float: exact, a shift (vec.h's Nat
+// loads read float only)
+inline Nat nload(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+// The scaled scores of query q (16 C floats: C = CT, or c_rt where CT is 0) against 16 key rows
+// (kb, `row` elements apart, float or bf16 bits; rows from nc on repeat row nc - 1: the caller
+// masks them): lane j is token j's score. Each token's 16-lane partial sums run over the head's
+// chunks in order (a product, then FMAs), then 16 tokens' partials are transposed and added at
+// once; 4 tokens at a time, each query chunk loaded once for the 4.
+template <int CT, typename T>
+inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scale, int c_rt) {
+  const int C = CT > 0 ? CT : c_rt;
   Quad f[4];
 #pragma GCC unroll 4
   for (int j4 = 0; j4 < 4; ++j4) {
-    F16 d[4];
+    const T* k[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const T* k = kb + std::min(4 * j4 + i, nc - 1) * row;
-      F16 s = q0 * load(k);
-      s = fma(q1, load(k + 16), s);
-      s = fma(q2, load(k + 32), s);
-      d[i] = fma(q3, load(k + 48), s);
+    for (int i = 0; i < 4; ++i) k[i] = kb + std::min(4 * j4 + i, nc - 1) * row;
+    F16 d[4];
+    const F16 q0 = load(q);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) d[i] = q0 * load(k[i]);
+#pragma GCC unroll 4
+    for (int c = 1; c < C; ++c) {
+      const F16 qc = load(q + 16 * c);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) d[i] = fma(qc, load(k[i] + 16 * c), d[i]);
     }
     f[j4] = quad(d);
   }
   return combine(f) * set1(scale);
 }
 
-// One decode task for head_dim 64, in two passes over its blocks [blk_begin, blk_end): every
-// score first (each K row read once, one transpose-and-add per 16 tokens), then one softmax per
-// query head over all of them, then the weighted sum of V (each V row read once, the
-// probabilities broadcast from memory). Leaves the partial state attend_blocks
-// (decode_attention.cpp) does: acc [Hq, 64] unnormalised, max mx [Hq], denominator den [Hq].
-// T: float, or uint16_t for bfloat16 bits.
+// Pass 2's register tile: G query heads x NR hardware registers of columns. AVX-512: up to 4
+// heads x 64 columns (16 of its 32 registers); AVX2: one head x 64 columns (8 of its 16
+// registers; the V rows come again from L1 per head). Held as Nat, not F16: GCC spills arrays
+// of AVX2's two-register F16s (prefill_attention.cpp says so too). Every lane's FMAs are the
+// same on both ISAs, in token order: the tiling does not change the bits.
+constexpr int kPvHeads = kRegsPerVec == 1 ? 4 : 1;
+constexpr int kPvCols = 64;
+
+// o[g][0, NR lanes) += sum over tokens j < n of p[g][j] * v[j] (v's rows `row` apart), for
+// G heads; the prefetch takes `share` lines before each row
+template <int G, int NR, typename T>
+inline void pv_tile(const float* const* p, const T* vb, int64_t row, int64_t n,
+                    float* const* o, SpreadPrefetch& pf, int64_t share) {
+  Nat a[G][NR];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; ++c) a[g][c] = nload(o[g] + kNatLanes * c);
+  for (int64_t j = 0; j < n; ++j) {
+    pf.step(share);
+    const T* v = vb + j * row;
+    Nat vv[NR];
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; ++c) vv[c] = nload(v + kNatLanes * c);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const Nat pj = nset1(p[g][j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NR; ++c) a[g][c] = nfma(pj, vv[c], a[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; ++c) nstore(o[g] + kNatLanes * c, a[g][c]);
+}
+
+// pv_tile for a runtime head count g in [1, G]
+template <int G, int NR, typename T>
+inline void pv_heads(int g, const float* const* p, const T* vb, int64_t row, int64_t n,
+                     float* const* o, SpreadPrefetch& pf, int64_t share) {
+  if constexpr (G > 1) {
+    if (g < G) return pv_heads<G - 1, NR>(g, p, vb, row, n, o, pf, share);
+  }
+  pv_tile<G, NR>(p, vb, row, n, o, pf, share);
+}
+
+// pv_heads for `cols` columns (a multiple of 16, at most kPvCols)
+template <typename T>
+inline void pv_cols(int cols, int g, const float* const* p, const T* vb, int64_t row, int64_t n,
+                    float* const* o, SpreadPrefetch& pf, int64_t share) {
+  static_assert(kPvCols == 64, "the cases below");
+  constexpr int k = kNatLanes;
+  switch (cols) {
+    case 64: return pv_heads<kPvHeads, 64 / k>(g, p, vb, row, n, o, pf, share);
+    case 48: return pv_heads<kPvHeads, 48 / k>(g, p, vb, row, n, o, pf, share);
+    case 32: return pv_heads<kPvHeads, 32 / k>(g, p, vb, row, n, o, pf, share);
+    default: return pv_heads<kPvHeads, 16 / k>(g, p, vb, row, n, o, pf, share);
+  }
+}
+
+// One decode task for a head_dim D that is a multiple of 16 (CT = D / 16 where the caller
+// instantiates it for that size, else 0), in two passes over its blocks [blk_begin, blk_end):
+// every score first (each K row read once per query head from L1, one transpose-and-add per
+// 16 tokens), then one softmax per query head over all of them, then the weighted sum of V
+// (pv_tile; the probabilities broadcast from memory). Leaves the partial state attend_blocks
+// (decode_attention.cpp) does: acc [Hq, D] unnormalised, max mx [Hq], denominator den [Hq].
+// T: float, or uint16_t for bfloat16 bits. Every sum runs in the same order on each ISA and
+// for every CT: the same bits from any variant.
 //
 // Why two passes: a per-block online softmax runs a max, an exp and two reductions per 16
 // tokens per head, a latency chain of a few hundred cycles each time, and rescales the
 // accumulators; with 64 sequences x 320 tokens the attention streamed KV well below a plain
-// read of the same bytes. One softmax per head per task
-// leaves the FMAs. scores: scratch, resized here to Hq x (tokens rounded up to 16).
+// read of the same bytes. One softmax per head per task leaves the FMAs. (The portable block
+// step it replaced for head_dim 128 also spilled AVX2's registers, and 256 ran a scalar step
+// per head.) scores: scratch, resized here to Hq x (tokens rounded up to 16).
 // lim.head_len (nullable): head h sees only the first head_len[h] <= L tokens. The rows of one
 // sequence verifying drafts come as one task this way, each row's heads as heads of their own
 // with the row's length: every K/V block is read once for all rows, and a row's result is
@@ -209,17 +299,18 @@ inline F16 scores16(const float* q, const T* kb, int64_t row, int nc, float scal
 // lim.start / head_start: a sliding window's first token, at most one block into the task's
 // range (the caller starts the range at the window's block): the tokens before it get
 // probability exactly 0, as those past a row's length do. lim.softcap > 0: scores soft-capped.
-template <typename T>
-inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const int64_t* table,
-                              int64_t L, int64_t blk_begin, int64_t blk_end, int64_t BS,
-                              int64_t Hkv, int64_t Hq, int64_t block_stride,
-                              const int64_t* heads_by_kv, const int64_t* group_start,
-                              float scale, float* acc, float* mx, float* den,
-                              std::vector<float>& scores, const attn::KeyLimits& lim) {
-  const int64_t row = Hkv * 64, t0 = blk_begin * BS;
+template <int CT, typename T>
+inline void attend_blocks_simd(const float* qf, const T* kp, const T* vp, const int64_t* table,
+                               int64_t L, int64_t blk_begin, int64_t blk_end, int64_t BS,
+                               int64_t Hkv, int64_t Hq, int64_t D, int64_t block_stride,
+                               const int64_t* heads_by_kv, const int64_t* group_start,
+                               float scale, float* acc, float* mx, float* den,
+                               std::vector<float>& scores, const attn::KeyLimits& lim) {
+  const int c_rt = static_cast<int>(D / 16);
+  const int64_t row = Hkv * D, t0 = blk_begin * BS;
   const int64_t T_ = std::max<int64_t>(0, std::min(L, blk_end * BS) - t0);
   const int64_t Tp = (T_ + 15) / 16 * 16;
-  std::fill(acc, acc + Hq * 64, 0.f);
+  std::fill(acc, acc + Hq * D, 0.f);
   std::fill(mx, mx + Hq, -INFINITY);
   std::fill(den, den + Hq, 0.f);
   if (T_ == 0) return;
@@ -227,17 +318,18 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
   float* sc = scores.data();
   const int64_t nblk = blk_end - blk_begin;
   // The block kAhead blocks on is prefetched while this one is computed (SpreadPrefetch): in
-  // pass 1 a share of its lines before each score tile, in pass 2 before each V row.
+  // pass 1 a share of its lines before each score tile, in pass 2 before each V row of a tile.
   constexpr int64_t kAhead = 2;
-  constexpr int GMAX = kRegsPerVec == 1 ? 4 : 1;  // pass 2's heads in registers at a time
   const int64_t block_lines = (BS * row * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t k_tiles = Hq * ((BS + 15) / 16);  // pass 1's score tiles in a block
-  int64_t v_tiles = 0;  // pass 2's head tiles across the KV heads
+  const int64_t col_tiles = (D + kPvCols - 1) / kPvCols;
+  int64_t v_tiles = 0;  // pass 2's register tiles across the KV heads
   for (int64_t kh = 0; kh < Hkv; ++kh)
-    v_tiles += (group_start[kh + 1] - group_start[kh] + GMAX - 1) / GMAX;
+    v_tiles += (group_start[kh + 1] - group_start[kh] + kPvHeads - 1) / kPvHeads * col_tiles;
   const int64_t k_share = (block_lines + k_tiles - 1) / k_tiles;
   const int64_t v_share = (block_lines + v_tiles * BS - 1) / std::max<int64_t>(1, v_tiles * BS);
-  const bool touch = g_attention_touch_pass.load(std::memory_order_relaxed);
+  const bool touch = g_attention_touch_pass.load(std::memory_order_relaxed) &&
+                     BS * row * static_cast<int64_t>(sizeof(T)) <= kTouchMaxBytes;
   const float cap = lim.softcap, inv_cap = cap > 0.f ? 1.f / cap : 0.f;
   SpreadPrefetch pf;
   for (int64_t b = 0; b < std::min(kAhead, nblk); ++b) {
@@ -256,13 +348,13 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const T* kblk = kp + table[blk] * block_stride;
     if (touch) touch_lines(kblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
-      const T* kb = kblk + kh * 64;
+      const T* kb = kblk + kh * D;
       for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int nc = static_cast<int>(std::min<int64_t>(16, n - j0));
         for (int64_t g = group_start[kh]; g < group_start[kh + 1]; ++g) {
           const int64_t h = heads_by_kv[g];
           pf.step(k_share);
-          F16 sv = scores16(qf + h * 64, kb + j0 * row, row, nc, scale);
+          F16 sv = scores16<CT>(qf + h * D, kb + j0 * row, row, nc, scale, c_rt);
           if (cap > 0.f) sv = softcap(sv, cap, inv_cap);
           store_first(sc + h * Tp + base + j0, sv, nc);
         }
@@ -276,8 +368,8 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const SoftmaxRow r = softmax_row(sc + h * Tp, limit, Tp, first);
     mx[h] = r.max, den[h] = r.sum;
   }
-  // pass 2: acc += p * V, up to GMAX = 4 heads of a KV head at a time in registers (AVX2: one,
-  // its 8 accumulator registers fill half of the 16; the V rows come again from L1 per head)
+  // pass 2: acc += p * V, a register tile of up to kPvHeads heads of a KV head x kPvCols
+  // columns at a time, over the block's rows
   for (int64_t b = 0; b < nblk; ++b) {
     pf.finish();
     if (b + kAhead < nblk) pf.start(vp + table[blk_begin + b + kAhead] * block_stride, block_lines);
@@ -286,30 +378,17 @@ inline void attend_blocks_d64(const float* qf, const T* kp, const T* vp, const i
     const T* vblk = vp + table[blk] * block_stride;
     if (touch) touch_lines(vblk, n * row);
     for (int64_t kh = 0; kh < Hkv; ++kh) {
-      const T* vb = vblk + kh * 64;
-      for (int64_t g0 = group_start[kh]; g0 < group_start[kh + 1]; g0 += GMAX) {
-        const int G = static_cast<int>(std::min<int64_t>(GMAX, group_start[kh + 1] - g0));
-        F16 a[GMAX][4];
-        const float* p[GMAX];
-        for (int g = 0; g < G; ++g) {
-          const int64_t h = heads_by_kv[g0 + g];
-          p[g] = sc + h * Tp + base;
-          for (int c = 0; c < 4; ++c) a[g][c] = load(acc + h * 64 + 16 * c);
+      const T* vb = vblk + kh * D;
+      for (int64_t g0 = group_start[kh]; g0 < group_start[kh + 1]; g0 += kPvHeads) {
+        const int G = static_cast<int>(std::min<int64_t>(kPvHeads, group_start[kh + 1] - g0));
+        const float* p[kPvHeads];
+        float* o[kPvHeads];
+        for (int g = 0; g < G; ++g) p[g] = sc + heads_by_kv[g0 + g] * Tp + base;
+        for (int64_t c0 = 0; c0 < D; c0 += kPvCols) {
+          for (int g = 0; g < G; ++g) o[g] = acc + heads_by_kv[g0 + g] * D + c0;
+          const int cols = static_cast<int>(std::min<int64_t>(kPvCols, D - c0));
+          pv_cols(cols, G, p, vb + c0, row, n, o, pf, v_share);
         }
-        for (int64_t j = 0; j < n; ++j) {
-          pf.step(v_share);
-          const T* v = vb + j * row;
-          const F16 v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
-          for (int g = 0; g < G; ++g) {
-            const F16 pj = set1(p[g][j]);
-            a[g][0] = fma(pj, v0, a[g][0]);
-            a[g][1] = fma(pj, v1, a[g][1]);
-            a[g][2] = fma(pj, v2, a[g][2]);
-            a[g][3] = fma(pj, v3, a[g][3]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int c = 0; c < 4; ++c) store(acc + heads_by_kv[g0 + g] * 64 + 16 * c, a[g][c]);
       }
     }
   }

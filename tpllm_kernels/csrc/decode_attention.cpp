@@ -1,9 +1,10 @@
 // Paged decode attention on the CPU: each sequence's query heads against its KV blocks, read in
-// place from the paged cache (no gather), flash-decoding splits merged in a fixed order; head_dim
-// 64 through attn_simd.h's vector kernel. Storage float32 or bfloat16, arithmetic float32; the
-// torch reference is tpllm_kernels/reference.py's decode_attention. Options: a sliding window
-// (the query at position L - 1 sees keys [L - window, L); blocks wholly before it are not read)
-// and Gemma 2's logit soft-cap.
+// place from the paged cache (no gather), flash-decoding splits merged in a fixed order; a
+// head_dim that is a multiple of 16 (64, 128, 256, ...) through attn_simd.h's two-pass vector
+// kernel in the AVX2 and AVX-512 builds, the portable block steps below otherwise. Storage
+// float32 or bfloat16, arithmetic float32; the torch reference is tpllm_kernels/reference.py's
+// decode_attention. Options: a sliding window (the query at position L - 1 sees keys
+// [L - window, L); blocks wholly before it are not read) and Gemma 2's logit soft-cap.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -49,9 +50,10 @@ inline float softmax_update(float* s, int64_t n, float& mx, float& den) {
   return corr;
 }
 
-// Query heads heads[0, G) (all reading KV head kh) against one block of n tokens, head_dim D a
-// multiple of 16: each K/V row is loaded once for the whole group and the group's accumulators
-// stay in vector registers across the block.
+// The portable block steps (the build without AVX2 or AVX-512, or a head_dim not a multiple of
+// 16). Query heads heads[0, G) (all reading KV head kh) against one block of n tokens, head_dim
+// D a multiple of 16: each K/V row is loaded once for the whole group and the group's
+// accumulators stay in vector registers across the block.
 template <int D, int GMAX>
 void block_group_fast(const float* qf, const float* kblk, const float* vblk, int64_t n,
                       int64_t row, int64_t kh, const int64_t* heads, int64_t G, float scale,
@@ -111,6 +113,17 @@ inline void block_group_generic(const float* qf, const float* kblk, const float*
   }
 }
 
+// Whether head_dim D runs attn_simd.h's two-pass kernel: a multiple of 16 in a SIMD build (its
+// vectors are 16 floats); else the portable block steps above
+inline bool simd_head_dim(int64_t D) {
+#if defined(TPLLM_SIMD16)
+  return D > 0 && D % 16 == 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
 // One task: the query heads of one sequence against its KV blocks [blk_begin, blk_end), online
 // softmax block by block. Leaves unnormalised acc [Hq, D], running max mx [Hq] and denominator
 // den [Hq]. A block is [BS, Hkv, D] contiguous and is read once, in order; the block two ahead
@@ -126,16 +139,28 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, const int64_t* tab
                    std::vector<float>& sc, std::vector<float>& kb, std::vector<float>& vb,
                    const attn::KeyLimits& lim) {
 #if defined(TPLLM_SIMD16)
-  if (D == 64) {  // float32, or bf16 rows widened as they are loaded
+  if (simd_head_dim(D)) {  // float32, or bf16 rows widened as they are loaded
     using S = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
-    simd::attend_blocks_d64(qf, reinterpret_cast<const S*>(kp), reinterpret_cast<const S*>(vp),
-                            table, L, blk_begin, blk_end, BS, Hkv, Hq, block_stride, heads_by_kv,
-                            group_start, scale, acc, mx, den, sc, lim);
+    const S* ks = reinterpret_cast<const S*>(kp);
+    const S* vs = reinterpret_cast<const S*>(vp);
+    // the common sizes unrolled (the query chunks' loop a constant), any other the same code
+    // with the chunk count at run time: the same bits
+    auto run = [&](auto chunks) {
+      simd::attend_blocks_simd<decltype(chunks)::value>(
+          qf, ks, vs, table, L, blk_begin, blk_end, BS, Hkv, Hq, D, block_stride, heads_by_kv,
+          group_start, scale, acc, mx, den, sc, lim);
+    };
+    switch (D) {
+      case 64: run(std::integral_constant<int, 4>{}); break;
+      case 128: run(std::integral_constant<int, 8>{}); break;
+      case 256: run(std::integral_constant<int, 16>{}); break;
+      default: run(std::integral_constant<int, 0>{});
+    }
     return;
   }
 #endif
   TORCH_CHECK(lim.head_len == nullptr && lim.head_start == nullptr,
-              "attend_blocks: per-head limits need the head_dim 64 path");
+              "attend_blocks: per-head limits need the SIMD path (head_dim a multiple of 16)");
   const int64_t row = Hkv * D;
   std::fill(acc, acc + Hq * D, 0.f);
   std::fill(mx, mx + Hq, -INFINITY);
@@ -227,16 +252,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   group_heads_by_kv(ip, Hq, Hkv, heads_by_kv, group_start);
   // Runs: consecutive rows of one sequence (a decode verifying drafts: 1 + drafts rows, the same
   // block table, lengths one apart) attend in one task per split, each row's heads as heads of
-  // their own (attend_blocks_d64's head_len), so a KV block is read once for all of them, not
+  // their own (attend_blocks_simd's head_len), so a KV block is read once for all of them, not
   // once per row: faster for long contexts, no change once a layer's K/V fits L2
   // (docs/decisions.md, "Speculation verify rows share KV reads"). Only with fixed splits (a
-  // row's splits then do not depend on its run) and the head_dim 64 kernel, and with a window
+  // row's splits then do not depend on its run) and the SIMD kernel, and with a window
   // only rows whose windows start in the same block (each then reads the blocks it reads alone):
   // a row's result is the same bits as alone.
-  bool runs_ok = num_splits <= 0 && D == 64;
-#if !defined(TPLLM_SIMD16)
-  runs_ok = false;
-#endif
+  const bool runs_ok = num_splits <= 0 && simd_head_dim(D);
   std::vector<int64_t> run_start{0};
   for (int64_t b = 1; b < B; ++b) {
     const int64_t r0 = run_start.back();
