@@ -255,6 +255,8 @@ def _cmd_bench_parallel(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("parallel", help="n samples of a prompt vs n separate requests")
     _runtime_args(p)
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="both sides without prefix caching (separate requests recompute the prompt)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 5)")
     p.add_argument("--out", default=None, help="JSON path (default bench_results/parallel-<ts>.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")

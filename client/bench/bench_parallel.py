@@ -5,9 +5,11 @@ Each round takes a fresh random prompt of L tokens and runs it twice on one engi
 cache emptied before each run (neither finds the other's blocks), the order alternating: (n) one
 request with `n` samples; (sep) n requests of that prompt submitted at once, each with
 `n = 1`. Both sample at temperature 1 with ignore_eos, so both generate n x O tokens. Prefix
-caching is on, as served: the separate requests may share the prompt's blocks too, as far as the
-scheduler admits them after the first one's blocks are computed. The ratio is the median of the
-rounds' time(n) / time(sep) (target <= 0.6: one prefill instead of n).
+caching is on, as served: the separate requests then share the prompt's blocks too, as far as
+the scheduler admits them after the first one's blocks are computed (so the two differ by little
+more than the prompt's last block); `--no-prefix-caching` runs both without it, where n separate
+requests compute the prompt n times. The ratio is the median of the rounds' time(n) /
+time(sep) (target <= 0.6: one prefill instead of n).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def main(args: argparse.Namespace) -> int:
     n, in_len, out_len, rounds = QUICK if args.quick else FULL
     n, rounds = args.n or n, args.repeats or rounds
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(16, n))
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(16, n),
+              enable_prefix_caching=not args.no_prefix_caching)
     info = bu.run_info(args.threads, args.dtype, str(llm.engine.model_dir))
     vocab = llm.engine.model_config.vocab_size
     res: dict = {"config": dict(vars(args)), "sizes": [n, in_len, out_len], "info": info,
@@ -75,7 +78,8 @@ def report(res: dict) -> str:
         f"cold-path events after ready: {res['cold_path'] or 0}",
         "",
         bu.table(f"{n} samples of one {in_len}-token prompt, {out_len} tokens each: one request "
-                 f"with n={n} vs {n} requests at once", ["round", "n s", "separate s",
+                 f"with n={n} vs {n} requests at once (prefix caching "
+                 f"{'off' if res['config']['no_prefix_caching'] else 'on'})", ["round", "n s", "separate s",
                                                           "n/separate", "tokens n/sep"], rows),
         "",
         bu.ratio_lines([bu.ratio_row(f"time n={n} / {n} separate (median of {len(ratios)}, "
