@@ -115,7 +115,7 @@ class FakeEngine:
 def model():
     m = TritonLLMModel.__new__(TritonLLMModel)  # what initialize() sets, minus the engine
     m.pb, m._stopping, m._prefix, m._ids = pb, False, "llm_0-test", itertools.count()
-    m.tokenizer, m.llm = None, SimpleNamespace(max_model_len=2048)
+    m.tokenizer, m.llm = None, SimpleNamespace(max_model_len=2048, config=SimpleNamespace(max_num_seqs=64))
     m.engine, m.metrics = FakeEngine(), NullMetrics()
     m.responder = Responder(pb, m.engine, m.metrics)
     yield m
@@ -134,10 +134,10 @@ def prompts_submitted(m) -> list[str]:
 def test_an_arbitrary_parser_exception_is_a_per_request_internal_error(model, monkeypatch, caplog):
     real = adapter_mod.parse_request
 
-    def parse(inputs, parameters):
+    def parse(inputs, parameters, *limits):
         if inputs["text_input"][0] == b"boom":
             raise KeyError("secret internals")
-        return real(inputs, parameters)
+        return real(inputs, parameters, *limits)
     monkeypatch.setattr(adapter_mod, "parse_request", parse)
     batch = [FakeRequest("first"), FakeRequest("boom"), FakeRequest("last")]
     with caplog.at_level(logging.ERROR, logger="backend.triton"):

@@ -165,7 +165,8 @@ class TritonLLMModel:
                 req = parse_embedding(inputs, embedding)
                 prompt = req.embedding.input
             else:
-                req = parse_request(inputs, request.parameters())
+                req = parse_request(inputs, request.parameters(),
+                                    self.llm.config.max_num_seqs)
                 prompt = render_chat(self.tokenizer, req.messages) if req.chat else req.prompt
             if isinstance(prompt, str):
                 check_prompt_size(self.tokenizer, prompt, self.llm.max_model_len)

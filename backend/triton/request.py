@@ -229,9 +229,11 @@ def parse_embedding(inputs: dict, text: str) -> ParsedRequest:
                          embedding=parse_embedding_request(text))
 
 
-def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedRequest:
+def parse_request(inputs: dict, parameters: dict | str | None = None,
+                  max_num_seqs: int | None = None) -> ParsedRequest:
     """`inputs`: input name -> numpy array (or plain value); `parameters`: the request parameters
-    (a dict or its JSON text). Unknown request parameters are ignored (Triton shares them)."""
+    (a dict or its JSON text). Unknown request parameters are ignored (Triton shares them).
+    `max_num_seqs`: the engine's, which bounds `n` (named as the client named it)."""
     if "text_input" not in inputs or inputs["text_input"] is None:
         raise ValueError("text_input: required")
     prompt = _text("text_input", _one("text_input", inputs["text_input"]))
@@ -281,6 +283,9 @@ def parse_request(inputs: dict, parameters: dict | str | None = None) -> ParsedR
         if target in values and values[target][0] != target:
             msg = values[target][0] + msg[len(target):]
         raise ValueError(msg) from None
+    if max_num_seqs is not None and params.n > max_num_seqs:
+        raise ValueError(f"{values['n'][0]}: at most max_num_seqs ({max_num_seqs}) samples run "
+                         f"at once, got {params.n}")
     req = ParsedRequest(prompt, params, opts.get("stream", False),
                         opts.get("exclude_input_in_output"), opts.get("chat", False),
                         returns=returns)

@@ -136,7 +136,9 @@ BAD_HTTP = [
      "sampling_parameters.temperature"),
     # others
     ({"text_input": "x", "beam_width": 2}, "beam_width"),
-    ({"text_input": "x", "sampling_parameters": _sp(n=3)}, "sampling_parameters.n"),
+    ({"text_input": "x", "sampling_parameters": _sp(n=0)}, "sampling_parameters.n"),
+    ({"text_input": "x", "sampling_parameters": _sp(n=17)}, "sampling_parameters.n"),
+    ({"text_input": "x", "sampling_parameters": _sp(best_of=2)}, "sampling_parameters.best_of"),
 ]
 # Wrong JSON types for a tensor input: Triton's HTTP generate conversion refuses them before the
 # model sees the request, with its own wording (which does not name the field; see

@@ -96,7 +96,8 @@ def test_cancel_frees_every_sample(server):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("n", 0, "n: must be >= 1"), ("n", 17, "n: at most max_num_seqs (16)"),
+    ("n", 0, "sampling_parameters.n: must be >= 1"),
+    ("n", 17, "sampling_parameters.n: at most max_num_seqs (16)"),
     ("best_of", 2, "best_of: only 1 is supported")])
 def test_bad_n_is_the_requests_error(server, field, value, match):
     from tritonclient.utils import InferenceServerException
