@@ -26,7 +26,7 @@ from backend.engine.lora import LoraRegistry
 from backend.engine.model_files import load_tokenizer, resolve_model_dir
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import RequestOutput, output_for
-from backend.engine.parallel_sampling import (SampleGroup, child_seed, fork_samples,
+from backend.engine.parallel_sampling import (SampleGroup, child_seed, fork_rows,
                                               merged_output, take_rows)
 from backend.engine.pooling import PoolingConfig
 from backend.engine.request_check import PreparedRequest, prepare_embedding, prepare_request
@@ -356,7 +356,9 @@ class LLMEngine:
             self._block_copies = []
         logits_rows = None
         if any(s.group is not None and not s.group.forked for s in sampling):
-            sampling, logits_rows = self._fork(sampling)
+            sampling, logits_rows, copies = fork_rows(sampling, self._new_sample, self.kv,
+                                                      self.scheduler)
+            self._block_copies += copies
         rows = [r for seq in sampling for r in (
             self.speculator.verify_rows(seq) if seq.draft_token_ids else (seq,))]
         inputs.argmax_only = self._screens_greedy and self.sampler.argmax_only(rows)
@@ -430,29 +432,18 @@ class LLMEngine:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.finish_reason = "stop"
                 seq.first_token_time = time.perf_counter()
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-                self.stats.finished_requests += 1
+                self._retire(seq)
                 out = output_for(seq, "", [])
                 out.embedding = seq.embedding.result()
                 outputs.append(out)
         return outputs
 
-    def _fork(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """Fork the parallel-sampling requests whose first token this step samples: the rows
-        to sample (each fork's samples right after it) and the logits row of each."""
-        rows, src, i = [], [], 0
-        for seq in sampling:
-            n = 1 + len(seq.draft_token_ids)
-            rows.append(seq)
-            src.extend(range(i, i + n))
-            if seq.group is not None and not seq.group.forked:
-                children, copies = fork_samples(seq, self._new_sample, self.kv, self.scheduler)
-                self._block_copies += copies
-                rows += children
-                src += [i] * len(children)
-            i += n
-        return rows, src
+    def _retire(self, seq: Sequence) -> None:
+        """seq has finished: its blocks back; its request ends once every sample has."""
+        self.scheduler.finish(seq)
+        if seq.group is None or seq.group.done:
+            del self.requests[seq.request_id]
+            self.stats.finished_requests += 1
 
     def _new_sample(self, parent: Sequence, index: int) -> Sequence:
         """Sample `index` of parent's request: its prompt, its own generator, detokenizer and
@@ -519,10 +510,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             if not update.stopped and seq.detokenizer:
                 delta += seq.detokenizer.flush()
-            self.scheduler.finish(seq)
-            if seq.group is None or seq.group.done:
-                del self.requests[seq.request_id]
-                self.stats.finished_requests += 1
+            self._retire(seq)
         return output_for(seq, delta, [token])
 
     def _sampled_output(self, seq: Sequence, sampled, row: int, n: int) -> RequestOutput:

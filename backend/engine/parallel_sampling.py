@@ -89,6 +89,25 @@ def fork_samples(parent: Sequence, new_sample: Callable[[Sequence, int], Sequenc
     return children, copies
 
 
+def fork_rows(sampling: list[Sequence], new_sample: Callable[[Sequence, int], Sequence],
+              kv: KVCacheManager, scheduler: Scheduler
+              ) -> tuple[list[Sequence], list[int], list[tuple[int, int]]]:
+    """Fork the requests whose first token this step samples: the rows to sample (each fork's
+    samples right after it), the logits row of each, and the block copies to make."""
+    rows, src, copies, i = [], [], [], 0
+    for seq in sampling:
+        n = 1 + len(seq.draft_token_ids)  # a verified sequence owns 1 + drafts rows
+        rows.append(seq)
+        src.extend(range(i, i + n))
+        if seq.group is not None and not seq.group.forked:
+            children, pairs = fork_samples(seq, new_sample, kv, scheduler)
+            copies += pairs
+            rows += children
+            src += [i] * len(children)
+        i += n
+    return rows, src, copies
+
+
 def take_rows(logits: torch.Tensor | GreedyPicks, rows: list[int]) -> torch.Tensor | GreedyPicks:
     """The logits (or greedy picks) of `rows`, a row repeated where it is listed again."""
     if isinstance(logits, GreedyPicks):
