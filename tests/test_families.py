@@ -13,7 +13,8 @@ from backend import LLM, SamplingParams
 from backend.model.config import ModelConfig
 from backend.model.errors import ModelLoadError
 from tests.lora_adapters import greedy
-from tests.tiny_models import ARCHS, TINY_WINDOW, hf_model, make_tiny_checkpoint
+from tests.tiny_models import (ARCHS, TINY_WINDOW, greedy_references, hf_model,
+                               make_tiny_checkpoint)
 
 TOKENS = 12
 ENGINE = dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
@@ -29,15 +30,7 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """(arch) -> its tiny checkpoint and transformers' greedy tokens for _prompts()."""
-    cache: dict = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            model = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
-            hf = hf_model(model)
-            cache[arch] = (model, [greedy(hf, p, TOKENS) for p in _prompts()])
-        return cache[arch]
-    return get
+    return greedy_references(tmp_path_factory, make_tiny_checkpoint, _prompts(), TOKENS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

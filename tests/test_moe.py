@@ -20,10 +20,10 @@ from backend.model.llama import MLP
 from backend.model.loader import load_model
 from backend.model.moe import MoE
 from backend.parallel.context import ParallelContext
-from tests.lora_adapters import greedy
 from tests.test_families import ENGINE, TOKENS, _prompts
 from tests.test_model_fidelity import _our_logits
-from tests.tiny_models import MOE_ARCHS, TINY_WINDOW, hf_model, make_tiny_checkpoint
+from tests.tiny_models import (MOE_ARCHS, TINY_WINDOW, greedy_references, hf_model,
+                               make_tiny_checkpoint)
 
 # Qwen3-MoE: decoder_sparse_step 2 makes layers 1, 3, 5 MoE and mlp_only_layers [3] takes 3 back
 LAYERS = {"qwen3_moe": 6}
@@ -45,15 +45,7 @@ def _make(arch: str, out_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """(arch) -> its tiny checkpoint and transformers' greedy tokens for the prompts."""
-    cache: dict = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            model = _make(arch, tmp_path_factory.mktemp(arch))
-            hf = hf_model(model)
-            cache[arch] = (model, [greedy(hf, p, TOKENS) for p in _prompts_with_drafts()])
-        return cache[arch]
-    return get
+    return greedy_references(tmp_path_factory, _make, _prompts_with_drafts(), TOKENS)
 
 
 def _stack_experts(model_dir: Path) -> None:

@@ -138,3 +138,18 @@ def requantize(model_dir: Path) -> Path:
                 tensors[name] = gguf_round_trip(t, "Q8_0")
         save_file(tensors, f, metadata={"format": "pt"})
     return Path(model_dir)
+
+
+def greedy_references(tmp_path_factory, make, prompts: list[list[int]], tokens: int):
+    """(arch) -> (its tiny checkpoint, made once by make(arch, dir), and transformers' greedy
+    `tokens` tokens after each prompt): the reference a family's engine tests compare with."""
+    from tests.lora_adapters import greedy
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model = make(arch, tmp_path_factory.mktemp(arch))
+            hf = hf_model(model)
+            cache[arch] = (model, [greedy(hf, p, tokens) for p in prompts])
+        return cache[arch]
+    return get
